@@ -1,0 +1,74 @@
+"""A shared pool of KV pages: the K/V planes of every QSA layer (and the MTP layer) plus the
+compressed indexer-key planes, addressed through per-sequence block tables."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages; the scheduler checks `num_free` first, so this means a bug or a race."""
+
+
+class KVPool:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_attn_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        c = cfg.indexer_compress_ratio
+        if page_size % c:
+            raise ValueError(f"page_size {page_size} must be a multiple of indexer_compress_ratio {c}")
+        if num_pages <= 0:
+            raise ValueError("the KV pool needs at least one page")
+        self.page_size, self.blocks_per_page, self.num_pages = page_size, page_size // c, num_pages
+        shape = (num_attn_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_keys = torch.zeros(
+            (num_attn_layers, num_pages, self.blocks_per_page, cfg.indexer_head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        # NOTE: refcount 0 <=> the page is on the free list. Shared pages (images, prefixes) have
+        # refcount > 1 and are copied before a write (copy-on-write).
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"asked for {n} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"incref of free page {p}"
+            self.refcount[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"double free of page {p}"
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        self.block_keys[:, dst] = self.block_keys[:, src]

@@ -1,0 +1,116 @@
+"""One sequence's cache: its state slot and its block table. Implements the model's SeqCache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_pool import KVPool
+from .states import StateSlots
+
+
+@dataclass
+class SequenceImage:
+    """A snapshot of a sequence at `length` tokens: a copy of its state slot and shared references
+    to its KV pages (copy-on-write). Taken only on the prefill chunk grid (C1)."""
+
+    length: int
+    state: dict[str, torch.Tensor]
+    pages: list[int]
+    released: bool = False
+
+
+class SequenceCache:
+    def __init__(self, pool: KVPool, slots: StateSlots) -> None:
+        self.pool, self.slots = pool, slots
+        self.slot = slots.alloc()
+        self.block_table: list[int] = []
+        self.length = 0  # tokens whose KV and state are committed
+
+    # ---- sizing --------------------------------------------------------------------------------
+    def reserve(self, tokens: int) -> None:
+        """Make room for positions 0 .. tokens-1."""
+        need = self.pool.pages_for(tokens) - len(self.block_table)
+        if need > 0:
+            self.block_table += self.pool.alloc(need)
+
+    def free(self) -> None:
+        self.pool.release(self.block_table)
+        self.block_table = []
+        if self.slot is not None:
+            self.slots.release(self.slot)
+            self.slot = None
+
+    # ---- images --------------------------------------------------------------------------------
+    def snapshot(self) -> SequenceImage:
+        pages = self.block_table[: self.pool.pages_for(self.length)]
+        self.pool.incref(pages)
+        return SequenceImage(self.length, self.slots.copy_out(self.slot), list(pages))
+
+    def restore(self, image: SequenceImage) -> None:
+        """Become the sequence the image was taken of; pages are shared until written."""
+        self.pool.release(self.block_table)
+        self.pool.incref(image.pages)
+        self.block_table = list(image.pages)
+        self.slots.copy_in(self.slot, image.state)
+        self.length = image.length
+
+    def release_image(self, image: SequenceImage) -> None:
+        if not image.released:
+            self.pool.release(image.pages)
+            image.released = True
+
+    # ---- SeqCache ------------------------------------------------------------------------------
+    def gdn_state(self, gdn_index: int):
+        return self.slots.gdn_conv[gdn_index, self.slot], self.slots.gdn_rec[gdn_index, self.slot]
+
+    def ple_state(self, ple_index: int):
+        return self.slots.ple_ctx[ple_index, self.slot], self.slots.ple_conv[ple_index, self.slot]
+
+    def index_tail(self, attn_index: int) -> torch.Tensor:
+        return self.slots.index_tail[attn_index, self.slot]
+
+    def _own_pages(self, first: int, last: int) -> None:
+        """Copy-on-write: pages first..last of the table become this sequence's own."""
+        for i in range(first, last + 1):
+            page = self.block_table[i]
+            if self.pool.refcount[page] > 1:
+                (new,) = self.pool.alloc(1)
+                self.pool.copy_page(page, new)
+                self.pool.release([page])
+                self.block_table[i] = new
+
+    def _addresses(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        P = self.pool.page_size
+        pos = torch.arange(start, start + n)
+        self._own_pages(start // P, (start + n - 1) // P)
+        table = torch.tensor(self.block_table, dtype=torch.long)
+        return table[pos // P], pos % P
+
+    def write_kv(self, attn_index: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pages, offs = self._addresses(start, k.shape[0])
+        self.pool.k[attn_index, pages, offs] = k
+        self.pool.v[attn_index, pages, offs] = v
+
+    def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n_pages = self.pool.pages_for(length)
+        table = torch.tensor(self.block_table[:n_pages], dtype=torch.long)
+        k = self.pool.k[attn_index, table].flatten(0, 1)[:length]
+        v = self.pool.v[attn_index, table].flatten(0, 1)[:length]
+        return k, v
+
+    def write_block_keys(self, attn_index: int, first_block: int, keys: torch.Tensor) -> None:
+        bpp, c = self.pool.blocks_per_page, self.pool.page_size // self.pool.blocks_per_page
+        blocks = torch.arange(first_block, first_block + keys.shape[0])
+        self._own_pages(
+            first_block * c // self.pool.page_size, (blocks[-1].item() * c) // self.pool.page_size
+        )
+        table = torch.tensor(self.block_table, dtype=torch.long)
+        self.pool.block_keys[attn_index, table[blocks // bpp], blocks % bpp] = keys
+
+    def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
+        bpp = self.pool.blocks_per_page
+        n_pages = -(-n_blocks // bpp)
+        table = torch.tensor(self.block_table[:n_pages], dtype=torch.long)
+        return self.pool.block_keys[attn_index, table].flatten(0, 1)[:n_blocks]

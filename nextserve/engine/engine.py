@@ -1,0 +1,212 @@
+"""LLMEngine: loads a model directory and steps requests: schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from ..cache.states import StateSlots
+from ..config import ConfigError, EngineConfig, ModelConfig
+from ..model.flash_next import FlashNext
+from ..model.loader import load_weights
+from ..runtime.runner import ModelRunner, Sampled
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+log = logging.getLogger("nextserve.engine")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The directory's tokenizer (and chat template), or None when it ships none."""
+    if (
+        not (Path(model_dir) / "tokenizer.json").is_file()
+        and not (Path(model_dir) / "tokenizer_config.json").is_file()
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / cfg.indexer_compress_ratio
+    return int(n_attn * per_layer * elem) + 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = cfg = ModelConfig.from_dir(config.model)
+        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.tokenizer = load_tokenizer(config.model)
+        weights = load_weights(
+            Path(config.model), cfg, with_mtp=config.mtp, dtype=self.dtype, device=self.device
+        )
+        with torch.device(self.device):
+            self.model = FlashNext(cfg).to(self.dtype)
+        self.model.load_state_dict(
+            {k: v for k, v in weights.items() if not k.startswith("mtp.")}, strict=True
+        )
+        self.model.eval()
+        n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
+        self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
+        capacity = self._kv_capacity(n_attn)
+        self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
+        if config.max_context is not None and config.max_context > capacity:
+            raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
+        num_pages = -(-capacity // config.page_size)
+        self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
+        self.scheduler = Scheduler(self.pool, self.slots, config.prefill_chunk, config.max_pending)
+        self.runner = ModelRunner(self.model, self.device)
+        self.sequences: dict[str, Sequence] = {}
+        self._rng = random.Random(config.seed)
+        self._next_id = 0
+
+    def _kv_capacity(self, n_attn: int) -> int:
+        cap = self.config.kv_capacity
+        if cap != "auto":
+            return int(cap)
+        per_token = kv_bytes_per_token(self.model_config, n_attn, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free - self.config.memory_headroom_mib * 2**20
+        else:
+            budget = self.config.cpu_kv_budget_mib * 2**20
+        tokens = budget // per_token
+        if tokens < self.config.page_size:
+            raise ConfigError(
+                "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
+            )
+        return int(min(tokens, self.config.max_concurrency * self.model_config.max_position_embeddings))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass prompts as token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        ids = list(prompt)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise ValueError("a token-id prompt must be a list of integers")
+        return ids, None
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        ids, text = self.encode(prompt)
+        V = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= V for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_context is {self.max_context}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        gen = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else self._rng.getrandbits(63)
+        )
+        seq = Sequence(request_id, ids, params, self.max_context, prompt_text=text, generator=gen)
+        self.scheduler.add(seq)
+        self.sequences[request_id] = seq
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that changed (finished ones are then forgotten)."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return self._drain_finished([])
+        try:
+            sampled = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
+            log.exception("step failed")
+            touched = [c.seq for c in plan.prefills + plan.decodes]
+            for seq in touched:
+                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return self._drain_finished(touched)
+        self.update(plan, sampled)
+        return self._drain_finished([c.seq for c in plan.prefills + plan.decodes])
+
+    def update(self, plan, sampled: list[Sampled]) -> None:
+        for ch in plan.prefills + plan.decodes:
+            ch.seq.num_computed = ch.end
+        for s in sampled:
+            self._append(s.seq, s.token, s.logprob)
+
+    def _append(self, seq: Sequence, token: int, logprob) -> None:
+        seq.output_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        eos = self.model_config.eos_token_id
+        stopped = token in p.stop_token_ids or (token == eos and not p.ignore_eos)
+        self._detokenize(seq, drop_last=stopped)
+        if stopped:
+            self.scheduler.finish(seq, "stop")
+        elif p.stop and any(s in seq.text for s in p.stop):
+            cut = min(seq.text.find(s) for s in p.stop if s in seq.text)
+            seq.text = seq.text[:cut]
+            self.scheduler.finish(seq, "stop")
+        elif (
+            p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens
+        ) or seq.num_tokens >= seq.max_context:
+            self.scheduler.finish(seq, "length")
+
+    def _detokenize(self, seq: Sequence, drop_last: bool) -> None:
+        if self.tokenizer is None:
+            return
+        ids = seq.output_ids[:-1] if drop_last else seq.output_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        # NOTE: a trailing U+FFFD is an unfinished multi-byte character; wait for its other bytes.
+        seq.text = text.rstrip("\ufffd") if not drop_last else text
+
+    def _drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
+        outs = [self.output(s) for s in dict.fromkeys(touched)]
+        for rid in [r for r, s in self.sequences.items() if s.finished and s.status is Status.FINISHED]:
+            seq = self.sequences.pop(rid)
+            if seq not in touched:
+                outs.append(self.output(seq))
+        return outs
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt_text,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids),
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            finished=seq.finished,
+            cached_tokens=seq.num_cached_prompt,
+            error=seq.error,
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "kv_pages_free": self.pool.num_free,
+            "kv_pages_total": self.pool.num_pages,
+            "state_slots_free": self.slots.num_free,
+            "state_slots_total": self.slots.num_slots,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+        }

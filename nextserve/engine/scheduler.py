@@ -1,0 +1,92 @@
+"""Who runs next: admission under the slot and page limits, one prefill chunk per step between
+decode steps, all decoding sequences together."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache.kv_pool import KVPool
+from ..cache.sequence import SequenceCache
+from ..cache.states import StateSlots
+from .sequence import Sequence, Status
+
+
+class QueueFull(RuntimeError):
+    """The bounded waiting queue is full; the server answers 429/503 with this reason."""
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool  # the last row's logits choose the next token
+
+
+@dataclass
+class StepPlan:
+    prefills: list[Chunk] = field(default_factory=list)
+    decodes: list[Chunk] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, slots: StateSlots, prefill_chunk: int, max_pending: int) -> None:
+        self.pool, self.slots = pool, slots
+        self.prefill_chunk, self.max_pending = prefill_chunk, max_pending
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_pending:
+            raise QueueFull(f"{len(self.waiting)} requests already wait (--max-pending {self.max_pending})")
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        # NOTE: admission reserves every page the sequence may ever need (prompt + max_tokens, capped
+        # by max_context), so no other request can cut it short and no preemption is needed (C2).
+        # First come first served: a head that does not fit blocks the ones behind it.
+        while self.waiting and self.slots.num_free > 0:
+            seq = self.waiting[0]
+            if self.pool.pages_for(seq.token_budget()) > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            seq.cache = SequenceCache(self.pool, self.slots)
+            seq.cache.reserve(seq.token_budget())
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def schedule(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan()
+        for seq in self.running:
+            if seq.in_prefill:
+                if not plan.prefills:
+                    # NOTE: chunks lie on the grid of multiples of prefill_chunk from position 0 (C1).
+                    start = seq.num_computed
+                    end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(seq.prompt_ids))
+                    plan.prefills.append(Chunk(seq, start, end, sample=end == len(seq.prompt_ids)))
+            else:
+                plan.decodes.append(Chunk(seq, seq.num_computed, seq.num_computed + 1, sample=True))
+        return plan
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End a sequence wherever it is and return its pages and slot at once."""
+        if seq.finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.cache is not None:
+            seq.cache.free()
+            seq.cache = None
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

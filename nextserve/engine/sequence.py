@@ -1,0 +1,59 @@
+"""A request as the engine tracks it: its tokens, where its state is, and how it ends."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.sequence import SequenceCache
+from .sampling import SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity: a request is itself, whatever its tokens
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_context: int
+    prompt_text: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    cache: SequenceCache | None = None
+    num_computed: int = 0  # tokens whose KV and state are committed
+    num_cached_prompt: int = 0  # prompt tokens resumed from an image instead of computed
+    generator: torch.Generator | None = None
+    text: str = ""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_budget(self) -> int:
+        """Most tokens (prompt + output) this sequence can ever hold: what admission reserves."""
+        cap = self.max_context
+        if self.params.max_tokens is not None:
+            cap = min(cap, len(self.prompt_ids) + self.params.max_tokens)
+        return cap

@@ -1,0 +1,73 @@
+"""What one forward pass computes: rows of tokens, grouped by sequence, and each sequence's cache.
+
+The model reads and writes per-sequence state only through `SeqCache`; how that state is laid
+out (slots, pages, host copies) is the cache package's business."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class SeqCache(Protocol):
+    """One sequence's state as the model sees it. Indices are per layer kind (gdn / ple / attention)."""
+
+    def gdn_state(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv history [conv_dim, K-1], recurrent state [Hv, dk, dv] float32), updated in place."""
+        ...
+
+    def ple_state(self, ple_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n-gram context ids [N-1], conv history [nH, (Kp-1)*N]), updated in place."""
+        ...
+
+    def index_tail(self, attn_index: int) -> torch.Tensor:
+        """Raw indexer keys of the open block [c-1, di]; row r is position block_start + r."""
+        ...
+
+    def write_kv(self, attn_index: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, Nkv, D] at positions start .. start+n-1."""
+        ...
+
+    def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [length, Nkv, D] of positions 0 .. length-1."""
+        ...
+
+    def write_block_keys(self, attn_index: int, first_block: int, keys: torch.Tensor) -> None:
+        """Store compressed indexer keys [m, di] of blocks first_block .. first_block+m-1."""
+        ...
+
+    def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
+        """Compressed indexer keys [n_blocks, di] of blocks 0 .. n_blocks-1."""
+        ...
+
+
+@dataclass
+class SeqChunk:
+    """`n` consecutive tokens of one sequence starting at absolute position `start`."""
+
+    cache: SeqCache
+    start: int
+    n: int
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, the chunks' tokens back to back
+    positions: torch.Tensor  # [T] int64
+    chunks: list[SeqChunk]
+    # NOTE: decode, batched decode and verify windows run row-invariant, so every row gets the
+    # bits it gets alone (C1). Prefill chunks run as one call, exactly as the serial reference.
+    row_invariant: bool
+
+    def spans(self) -> list[tuple[int, int]]:
+        out, off = [], 0
+        for ch in self.chunks:
+            out.append((off, off + ch.n))
+            off += ch.n
+        return out
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,37 @@
+"""One decoder layer: [PLE] -> HC(GDN or QSA) -> HC(MoE). No input/post-attention norms."""
+
+import torch
+from torch import nn
+
+from ..config import GDN, ModelConfig
+from .batch import ForwardBatch
+from .gated_deltanet import GatedDeltaNet
+from .hyper import GatedResidual
+from .moe import SparseMoe
+from .ple import PLE
+from .qsa import QSAttention
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, kind_index: int, ple_index: int | None) -> None:
+        super().__init__()
+        self.is_gdn = layer_type == GDN
+        if self.is_gdn:
+            self.linear_attn = GatedDeltaNet(cfg, kind_index)
+        else:
+            self.self_attn = QSAttention(cfg, kind_index)
+        self.mlp = SparseMoe(cfg)
+        self.ple = PLE(cfg, ple_index) if ple_index is not None else None
+        self.attn_hyper_connection = GatedResidual(cfg)
+        self.mlp_hyper_connection = GatedResidual(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        """x [T, nH] streams -> [T, nH]."""
+        ri = batch.row_invariant
+        if self.ple is not None:
+            x = x + self.ple(x, batch)
+        if self.is_gdn:
+            x = self.attn_hyper_connection(x, lambda u: self.linear_attn(u, batch), ri)
+        else:
+            x = self.attn_hyper_connection(x, lambda u: self.self_attn(u, batch, *rope), ri)
+        return self.mlp_hyper_connection(x, lambda u: self.mlp(u, ri), ri)

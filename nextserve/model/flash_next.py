@@ -1,0 +1,66 @@
+"""The Flash-Next decoder, built for a range of layers (a whole model or one pipeline stage)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.linear import linear
+from ..ops.rope import cos_sin, inv_freq
+from .batch import ForwardBatch
+from .decoder_layer import DecoderLayer
+from .hyper import GatedResidual
+from .params import Weight
+
+
+class FlashNext(nn.Module):
+    """Layers `layers` of the model; the first stage embeds, the last owns the mixer and lm_head."""
+
+    def __init__(self, cfg: ModelConfig, layers: range | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == cfg.num_hidden_layers
+        gdn, qsa, ple = cfg.gdn_layers, cfg.qsa_layers, cfg.ple_layers
+        self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleDict(
+            {
+                str(i): DecoderLayer(
+                    cfg,
+                    cfg.layer_types[i],
+                    gdn.index(i) if i in gdn else qsa.index(i),
+                    ple.index(i) if i in ple else None,
+                )
+                for i in self.layer_range
+            }
+        )
+        if self.is_last:
+            self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
+            self.lm_head = Weight(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        cos, sin = cos_sin(positions, self.inv_freq, dtype)
+        return cos, sin, self.inv_freq
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> streams [T, nH]: the unscaled embedding copied into every stream."""
+        return F.embedding(input_ids, self.embed_tokens.weight).repeat(1, self.cfg.hc_count)
+
+    def forward(self, batch: ForwardBatch, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs this stage's layers. x [T, nH] comes from the previous stage (None on the first).
+        Returns the streams after the last layer of the range, before the mixer [T, nH]."""
+        if x is None:
+            x = self.embed(batch.input_ids)
+        rope = self.rope(batch.positions, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, batch, rope)
+        return x
+
+    def logits(self, streams: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
+        """streams [R, nH] (rows to sample from) -> logits [R, V]. The mixer is the last norm."""
+        z, _ = self.hyper_connection_mixer.mix(streams, row_invariant)
+        return linear(z, self.lm_head.weight, row_invariant)

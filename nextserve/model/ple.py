@@ -1,0 +1,135 @@
+"""PLE: hashed n-gram embeddings (with eos reset) gated into every stream, plus a dilated conv."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.conv import causal_conv
+from ..ops.linear import linear
+from ..ops.norms import rms_norm
+from .batch import ForwardBatch
+from .params import Weight
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & _MASK64
+
+
+def multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + 10007 * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(v: int) -> bool:
+    if v < 2 or v % 2 == 0:
+        return v == 2
+    return all(v % d for d in range(3, math.isqrt(v) + 1, 2))
+
+
+def head_vocab_sizes(base: int, ple_index: int, n_heads: int) -> list[int]:
+    """Head g (global index ple_index*n_heads + g) uses the (global+1)-th prime >= base."""
+    sizes, p = [], base - 1
+    for _ in range(ple_index * n_heads + n_heads):
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        sizes.append(p)
+    return sizes[ple_index * n_heads :]
+
+
+def ngram_contexts(history: torch.Tensor, n_new: int, ngram_size: int, eos: int) -> torch.Tensor:
+    """history [N-1 + n_new] ids (the carried context, then the new tokens) -> c [n_new, N]:
+    c[:, s] = token_{t-s}, or eos if t-s is before the start or an eos lies strictly between."""
+    ctx = history.shape[0] - n_new
+    cols = [history[ctx:]]
+    blocked = torch.zeros(n_new, dtype=torch.bool, device=history.device)
+    for s in range(1, ngram_size):
+        prev = history[ctx - s : ctx - s + n_new]
+        cols.append(torch.where(blocked, torch.full_like(prev, eos), prev))
+        blocked = blocked | (prev == eos)
+    return torch.stack(cols, dim=1)
+
+
+class NGramEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, ple_index: int) -> None:
+        super().__init__()
+        self.N, self.per_order, self.eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id
+        n_heads = cfg.ple_num_heads
+        sizes = head_vocab_sizes(cfg.ngram_vocab_size_base, ple_index, n_heads)
+        offsets = [sum(sizes[:i]) for i in range(n_heads)]
+        div = cfg.make_ngram_vocab_size_divisible_by
+        rows = math.ceil(sum(sizes) / div) * div
+        # NOTE: recomputed from the config, never loaded: the checkpoint's copies are ignored.
+        mult = multipliers(cfg.vocab_size, self.N, ple_index, cfg.seed)
+        self.register_buffer("mult", torch.tensor(mult, dtype=torch.long), persistent=False)
+        self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
+        self.ngram_embedding = Weight(rows, cfg.ple_embed_dim // n_heads)
+
+    def ids(self, contexts: torch.Tensor) -> torch.Tensor:
+        """contexts [T, N] -> table rows [T, n_heads]: order-k heads hash XOR_{i<k} c_i * m_i."""
+        out = []
+        h = contexts[:, 0] * self.mult[0]
+        for k in range(2, self.N + 1):
+            h = torch.bitwise_xor(h, contexts[:, k - 1] * self.mult[k - 1])
+            lo = (k - 2) * self.per_order
+            sizes = self.sizes[lo : lo + self.per_order]
+            out.append(torch.remainder(h[:, None], sizes[None, :]) + self.offsets[lo : lo + self.per_order])
+        return torch.cat(out, dim=1)
+
+
+class PLE(nn.Module):
+    def __init__(self, cfg: ModelConfig, ple_index: int) -> None:
+        super().__init__()
+        self.ple_index, self.n, self.hidden, self.eps = (
+            ple_index,
+            cfg.hc_count,
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+        )
+        self.N = cfg.ngram_size
+        D, nH = cfg.ple_embed_dim, cfg.hc_hidden
+        self.ple_embedding = NGramEmbedding(cfg, ple_index)
+        self.key_proj = Weight(nH, D)
+        self.value_proj = Weight(cfg.hidden_size, D)
+        self.norm_key = Weight(nH)
+        self.norm_query = Weight(nH)
+        self.norm_conv = Weight(nH)
+        self.conv1d = Weight(nH, 1, cfg.ple_conv_kernel_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, nH] -> PLE contribution [T, nH] (gated value + conv), updating context and history."""
+        ri, T, n, H = batch.row_invariant, x.shape[0], self.n, self.hidden
+        emb = self.ple_embedding
+        rows = []
+        for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
+            ctx, _ = chunk.cache.ple_state(self.ple_index)
+            hist = torch.cat([ctx, batch.input_ids[s:e]])
+            rows.append(emb.ids(ngram_contexts(hist, e - s, self.N, emb.eos)))
+            ctx.copy_(hist[-ctx.shape[0] :])
+        e_vec = F.embedding(torch.cat(rows), emb.ngram_embedding.weight).flatten(-2)  # [T, D]
+        key = rms_norm(linear(e_vec, self.key_proj.weight, ri), self.norm_key.weight, self.eps, H)
+        value = linear(e_vec, self.value_proj.weight, ri)  # [T, H]
+        query = rms_norm(x, self.norm_query.weight, self.eps, H)
+        d = (key.view(T, n, H) * query.view(T, n, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
+        gate = d.abs().clamp_min(1e-6).sqrt() * d.sign()
+        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [T, nH]
+        normed = rms_norm(gated, self.norm_conv.weight, self.eps, H)
+        conv_w = self.conv1d.weight[:, 0, :]
+        convs = []
+        for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
+            _, conv_hist = chunk.cache.ple_state(self.ple_index)
+            out, new_hist = causal_conv(normed[s:e], conv_hist, conv_w, dilation=self.N)
+            conv_hist.copy_(new_hist)
+            convs.append(out)
+        return gated + F.silu(torch.cat(convs))

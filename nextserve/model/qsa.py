@@ -1,0 +1,93 @@
+"""QSA: gated softmax attention over the tokens an indexer selects (top-k compressed blocks + tail)."""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.attention import select_tokens, sparse_attention
+from ..ops.linear import linear
+from ..ops.norms import rms_norm
+from ..ops.rope import apply_rope, cos_sin
+from .batch import ForwardBatch
+from .params import Weight
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ni, self.di = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.c, self.topk, self.eps = cfg.indexer_compress_ratio, cfg.block_topk, cfg.rms_norm_eps
+        self.index_qk_proj = Weight((self.ni + 1) * self.di, cfg.hidden_size)
+        self.q_layernorm = Weight(self.di)
+        self.k_layernorm = Weight(self.di)
+
+    def block_key(self, raw: torch.Tensor, block_starts: torch.Tensor, inv_f: torch.Tensor) -> torch.Tensor:
+        """raw [m, c, di] raw keys of m complete blocks -> compressed keys [m, di]."""
+        pooled = raw.float().mean(dim=1).to(raw.dtype)
+        normed = rms_norm(pooled, self.k_layernorm.weight, self.eps)
+        cos, sin = cos_sin(block_starts, inv_f, raw.dtype)
+        return apply_rope(normed[:, None, :], cos, sin)[:, 0, :]
+
+    def forward(
+        self, u, batch: ForwardBatch, cos, sin, attn_index: int, inv_f: torch.Tensor
+    ) -> list[list[torch.Tensor]]:
+        """Selected token ids for every row, grouped by chunk. Updates block keys and the open tail."""
+        T = u.shape[0]
+        qk = linear(u, self.index_qk_proj.weight, batch.row_invariant)
+        q = qk[:, : self.ni * self.di].view(T, self.ni, self.di)
+        raw = qk[:, self.ni * self.di :]  # [T, di]
+        q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
+        c = self.c
+        selected = []
+        for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
+            tail = chunk.cache.index_tail(attn_index)  # [c-1, di]
+            first_block = chunk.start // c
+            n_open = chunk.start - first_block * c
+            keys = torch.cat([tail[:n_open], raw[s:e]], dim=0)  # from the open block's start on
+            end = chunk.start + chunk.n
+            n_new = end // c - first_block
+            if n_new > 0:
+                blocks = keys[: n_new * c].view(n_new, c, self.di)
+                starts = torch.arange(first_block, first_block + n_new, device=u.device) * c
+                chunk.cache.write_block_keys(attn_index, first_block, self.block_key(blocks, starts, inv_f))
+            rest = keys[n_new * c :]
+            tail[: rest.shape[0]].copy_(rest)
+            block_keys = chunk.cache.read_block_keys(attn_index, end // c)
+            positions = list(range(chunk.start, end))
+            selected.append(select_tokens(q[s:e], block_keys, positions, c, self.topk))
+        return selected
+
+
+class QSAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_index: int) -> None:
+        super().__init__()
+        self.attn_index = attn_index
+        self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps, self.scaling = cfg.rms_norm_eps, cfg.head_dim**-0.5
+        H = cfg.hidden_size
+        self.q_proj = Weight(self.nq * 2 * self.d, H)
+        self.k_proj = Weight(self.nkv * self.d, H)
+        self.v_proj = Weight(self.nkv * self.d, H)
+        self.o_proj = Weight(H, self.nq * self.d)
+        self.q_norm = Weight(self.d)
+        self.k_norm = Weight(self.d)
+        self.indexer = Indexer(cfg)
+
+    def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, inv_f) -> torch.Tensor:
+        ri, T = batch.row_invariant, u.shape[0]
+        selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f)
+        qg = linear(u, self.q_proj.weight, ri).view(T, self.nq, 2 * self.d)
+        q, gate = qg[..., : self.d], qg[..., self.d :].reshape(T, self.nq * self.d)
+        q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)  # [T, Nq, D]
+        k = rms_norm(
+            linear(u, self.k_proj.weight, ri).view(T, self.nkv, self.d), self.k_norm.weight, self.eps
+        )
+        k = apply_rope(k, cos, sin)
+        v = linear(u, self.v_proj.weight, ri).view(T, self.nkv, self.d)
+        outs = []
+        for chunk, (s, e), sel in zip(batch.chunks, batch.spans(), selected, strict=True):
+            chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
+            k_all, v_all = chunk.cache.read_kv(self.attn_index, chunk.start + chunk.n)
+            outs.append(sparse_attention(q[s:e], k_all, v_all, sel, self.scaling))
+        o = torch.cat(outs, dim=0).reshape(T, self.nq * self.d) * torch.sigmoid(gate)
+        return linear(o, self.o_proj.weight, ri)

@@ -1,0 +1,41 @@
+"""Gated delta rule (GDN) recurrence, the token-by-token reference."""
+
+import torch
+
+from .norms import l2_norm
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [Hv, dk, dv] float32.
+
+    Returns (o [T, Hv, dv] in v's dtype, new state float32). Computes in float32; q and k are
+    L2-normalised here and q scaled by dk^-1/2. Key head j serves value heads j*r .. j*r+r-1.
+
+    # NOTE: each token is one step of S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q, so a verify
+    # window gives every row the bits serial decode gives it.
+    """
+    out_dtype = v.dtype
+    Hk, Hv = k.shape[1], v.shape[1]
+    if Hk != Hv:
+        q = q.repeat_interleave(Hv // Hk, dim=1)
+        k = k.repeat_interleave(Hv // Hk, dim=1)
+    q, k, v, g, beta = (t.to(torch.float32) for t in (q, k, v, g, beta))
+    q = l2_norm(q)
+    k = l2_norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    S = state.to(torch.float32)
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        kv_mem = (S * k[t][:, :, None]).sum(dim=-2)  # [Hv, dv]
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        outs.append((S * q[t][:, :, None]).sum(dim=-2))
+    return torch.stack(outs).to(out_dtype), S

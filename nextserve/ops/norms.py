@@ -1,0 +1,32 @@
+"""RMS norms. Both compute in float32 whatever the model dtype, as the reference model does."""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
+    """G-norm: x * rsqrt(mean(x^2) + eps) * (1 + w), per `group`-sized slice of the last dim."""
+    xf = x.float()
+    if group is not None:
+        xf = xf.reshape(*xf.shape[:-1], -1, group)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if group is not None:
+        out = out.flatten(-2)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str
+) -> torch.Tensor:
+    """P-norm of x (plain weight), times act(gate); the GDN output norm."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    g = gate.float()
+    out = out * (torch.sigmoid(g) if act == "sigmoid" else F.silu(g))
+    return out.to(dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
