@@ -60,3 +60,52 @@ def runtime_state(hf) -> dict[str, torch.Tensor]:
             continue
         out[k.removeprefix("model.")] = v
     return out
+
+
+def nextserve_model(hf, dtype: torch.dtype, with_mtp: bool = False):
+    """nextserve's FlashNext with the same weights as a transformers model."""
+    from nextserve.config import ModelConfig
+    from nextserve.model.flash_next import FlashNext
+
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    model = FlashNext(cfg).to(dtype)
+    model.load_state_dict(runtime_state(hf), strict=True)
+    return cfg, model.eval()
+
+
+def new_sequence(cfg, dtype: torch.dtype, tokens: int, page_size: int = 16, slots: int = 1):
+    """A SequenceCache on a pool just big enough for `tokens` (MTP planes included)."""
+    from nextserve.cache.kv_pool import KVPool
+    from nextserve.cache.sequence import SequenceCache
+    from nextserve.cache.states import StateSlots
+
+    n_attn = len(cfg.qsa_layers) + 1
+    pool = KVPool(cfg, n_attn, -(-tokens // page_size) * slots + 1, page_size, dtype)
+    seq = SequenceCache(pool, StateSlots(cfg, slots, n_attn, dtype))
+    seq.reserve(tokens)
+    return seq
+
+
+def run_serial(model, seq, prompt: torch.Tensor, chunk: int, new_tokens: int = 0):
+    """The serial reference by hand: the prompt in grid chunks of `chunk`, then `new_tokens` greedy
+    tokens one per forward. Returns (ids [P+new], streams [P+new-1 or P, nH], logits rows)."""
+    from nextserve.model.batch import ForwardBatch, SeqChunk
+
+    P = prompt.shape[0]
+    ids, streams = prompt.clone(), []
+
+    def forward(s: int, e: int) -> torch.Tensor:
+        batch = ForwardBatch(ids[s:e], torch.arange(s, e), [SeqChunk(seq, s, e - s)], row_invariant=e - s == 1)
+        x = model(batch)
+        streams.append(x)
+        return x
+
+    with torch.no_grad():
+        for s in range(0, P, chunk):
+            last = forward(s, min(s + chunk, P))
+        for t in range(P, P + new_tokens):
+            ids = torch.cat([ids, model.logits(last[-1:]).argmax(-1)])
+            if t + 1 < P + new_tokens:
+                last = forward(t, t + 1)
+        x = torch.cat(streams)
+        return ids, x, model.logits(x, row_invariant=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_pool import KVPool
+from .kv_pool import KVPool, PoolExhausted
 from .states import StateSlots
 
 
@@ -29,8 +29,32 @@ class SequenceCache:
         self.length = 0  # tokens whose KV and state are committed
 
     # ---- sizing --------------------------------------------------------------------------------
+    def _shared_writable(self, tokens: int) -> list[int]:
+        """Table indices of shared pages that writes at positions length .. tokens-1 would touch."""
+        if tokens <= self.length:
+            return []
+        last = min(len(self.block_table), self.pool.pages_for(tokens))
+        first = self.length // self.pool.page_size
+        return [i for i in range(first, last) if self.pool.refcount[self.block_table[i]] > 1]
+
+    def pages_needed(self, tokens: int) -> int:
+        """Free pages `reserve(tokens)` takes: new pages plus copies of shared pages it will write."""
+        new = max(0, self.pool.pages_for(tokens) - len(self.block_table))
+        return new + len(self._shared_writable(tokens))
+
     def reserve(self, tokens: int) -> None:
-        """Make room for positions 0 .. tokens-1."""
+        """Make room for positions 0 .. tokens-1: after it, writes below `tokens` never allocate.
+
+        # NOTE: a shared (image) page that those writes touch is copied here, not at the write, so a
+        # forward never runs out of pages halfway (C2). All or nothing: PoolExhausted changes nothing.
+        """
+        if self.pages_needed(tokens) > self.pool.num_free:
+            raise PoolExhausted(
+                f"asked for {self.pages_needed(tokens)} KV pages, {self.pool.num_free} free"
+            )
+        shared = self._shared_writable(tokens)
+        if shared:
+            self._own_pages(shared[0], shared[-1])
         need = self.pool.pages_for(tokens) - len(self.block_table)
         if need > 0:
             self.block_table += self.pool.alloc(need)
@@ -44,12 +68,23 @@ class SequenceCache:
 
     # ---- images --------------------------------------------------------------------------------
     def snapshot(self) -> SequenceImage:
-        pages = self.block_table[: self.pool.pages_for(self.length)]
+        """An image at `length`. A partly filled last page goes to the image and the sequence writes
+        on in a copy taken now (one free page, else PoolExhausted and no image): its later writes stay
+        within what it reserved."""
+        n = self.pool.pages_for(self.length)
+        partial = self.length % self.pool.page_size != 0
+        if partial and self.pool.num_free == 0:
+            raise PoolExhausted("no free KV page to split a partly filled page off for an image")
+        pages = self.block_table[:n]
         self.pool.incref(pages)
-        return SequenceImage(self.length, self.slots.copy_out(self.slot), list(pages))
+        image = SequenceImage(self.length, self.slots.copy_out(self.slot), list(pages))
+        if partial:
+            self._own_pages(n - 1, n - 1)
+        return image
 
     def restore(self, image: SequenceImage) -> None:
-        """Become the sequence the image was taken of; pages are shared until written."""
+        """Become the sequence the image was taken of; pages stay shared until `reserve` copies the
+        ones it will write (call it before the next forward)."""
         self.pool.release(self.block_table)
         self.pool.incref(image.pages)
         self.block_table = list(image.pages)

@@ -15,7 +15,7 @@ from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from ..runtime.runner import ModelRunner, Sampled
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -98,7 +98,11 @@ class LLMEngine:
         return ids, None
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> str:
         ids, text = self.encode(prompt)
         V = self.model_config.vocab_size
@@ -116,7 +120,9 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(
             params.seed if params.seed is not None else self._rng.getrandbits(63)
         )
-        seq = Sequence(request_id, ids, params, self.max_context, prompt_text=text, generator=gen)
+        seq = Sequence(
+            request_id, ids, params, self.max_context, prompt_text=text, generator=gen, constraint=constraint
+        )
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
         return request_id
@@ -131,7 +137,7 @@ class LLMEngine:
         """One engine step; returns the requests that changed (finished ones are then forgotten)."""
         plan = self.scheduler.schedule()
         if plan.empty:
-            return self._drain_finished([])
+            return self.drain_finished([])
         try:
             sampled = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -139,13 +145,14 @@ class LLMEngine:
             touched = [c.seq for c in plan.prefills + plan.decodes]
             for seq in touched:
                 self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            return self._drain_finished(touched)
+            return self.drain_finished(touched)
         self.update(plan, sampled)
-        return self._drain_finished([c.seq for c in plan.prefills + plan.decodes])
+        return self.drain_finished([c.seq for c in plan.prefills + plan.decodes])
 
     def update(self, plan, sampled: list[Sampled]) -> None:
         for ch in plan.prefills + plan.decodes:
             ch.seq.num_computed = ch.end
+            ch.seq.cache.length = ch.end
         for s in sampled:
             self._append(s.seq, s.token, s.logprob)
 
@@ -156,8 +163,10 @@ class LLMEngine:
         p = seq.params
         eos = self.model_config.eos_token_id
         stopped = token in p.stop_token_ids or (token == eos and not p.ignore_eos)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         self._detokenize(seq, drop_last=stopped)
-        if stopped:
+        if stopped or (seq.constraint is not None and seq.constraint.is_terminated()):
             self.scheduler.finish(seq, "stop")
         elif p.stop and any(s in seq.text for s in p.stop):
             cut = min(seq.text.find(s) for s in p.stop if s in seq.text)
@@ -176,7 +185,7 @@ class LLMEngine:
         # NOTE: a trailing U+FFFD is an unfinished multi-byte character; wait for its other bytes.
         seq.text = text.rstrip("\ufffd") if not drop_last else text
 
-    def _drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
+    def drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
         outs = [self.output(s) for s in dict.fromkeys(touched)]
         for rid in [r for r, s in self.sequences.items() if s.finished and s.status is Status.FINISHED]:
             seq = self.sequences.pop(rid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -75,11 +76,31 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+class TokenConstraint(Protocol):
+    """A per-request grammar (JSON schema, regex...): which tokens may come next."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        """Bool mask [vocab_size] of allowed next tokens, or None for no restriction."""
+        ...
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
 def sample_row(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    constraint: TokenConstraint | None = None,
 ) -> tuple[int, TokenLogprob | None]:
     """One row of logits [V] (any device/dtype) -> (token id, logprob record if asked)."""
     logits = logits.detach().float().cpu()
+    raw = logits
+    if constraint is not None:
+        mask = constraint.allowed(logits.shape[-1])
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
     if params.greedy:
         token = int(torch.argmax(logits).item())
     else:
@@ -87,7 +108,7 @@ def sample_row(
         token = int(torch.multinomial(probs, 1, generator=generator).item())
     record = None
     if params.logprobs is not None:
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(raw, dim=-1)
         top = []
         if params.logprobs > 0:
             vals, ids = torch.topk(logp, params.logprobs)

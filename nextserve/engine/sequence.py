@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.sequence import SequenceCache
-from .sampling import SamplingParams, TokenLogprob
+from .sampling import SamplingParams, TokenConstraint, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -34,6 +34,7 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens resumed from an image instead of computed
     generator: torch.Generator | None = None
     text: str = ""
+    constraint: TokenConstraint | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.linear import linear
+from ..ops.pointwise import rowwise
 from ..ops.rope import cos_sin, inv_freq
 from .batch import ForwardBatch
 from .decoder_layer import DecoderLayer
@@ -42,8 +43,9 @@ class FlashNext(nn.Module):
             self.lm_head = Weight(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        cos, sin = cos_sin(positions, self.inv_freq, dtype)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, row_invariant: bool = False):
+        cos = rowwise(lambda p: cos_sin(p, self.inv_freq, dtype)[0], positions, row_invariant)
+        sin = rowwise(lambda p: cos_sin(p, self.inv_freq, dtype)[1], positions, row_invariant)
         return cos, sin, self.inv_freq
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,7 @@ class FlashNext(nn.Module):
         Returns the streams after the last layer of the range, before the mixer [T, nH]."""
         if x is None:
             x = self.embed(batch.input_ids)
-        rope = self.rope(batch.positions, x.dtype)
+        rope = self.rope(batch.positions, x.dtype, batch.row_invariant)
         for layer in self.layers.values():
             x = layer(x, batch, rope)
         return x

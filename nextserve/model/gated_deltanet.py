@@ -9,6 +9,7 @@ from ..ops.conv import causal_conv
 from ..ops.gdn import gated_delta_rule
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
+from ..ops.pointwise import rowwise
 from .batch import ForwardBatch
 from .params import Weight
 
@@ -36,9 +37,9 @@ class GatedDeltaNet(nn.Module):
         T = u.shape[0]
         qkv = linear(u, self.in_proj_qkv.weight, ri)  # [T, conv_dim]
         z = linear(u, self.in_proj_z.weight, ri).view(T, self.hv, self.dv)
-        beta = torch.sigmoid(linear(u, self.in_proj_b.weight, ri))  # [T, Hv]
+        beta = rowwise(torch.sigmoid, linear(u, self.in_proj_b.weight, ri), ri)  # [T, Hv]
         a = linear(u, self.in_proj_a.weight, ri)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
+        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias, ri)  # [T, Hv]
         conv_w = self.conv1d.weight[:, 0, :]  # [C, K]
         kd = self.hk * self.dk
         core = []
@@ -55,5 +56,5 @@ class GatedDeltaNet(nn.Module):
             rec.copy_(new_rec)
             core.append(o)
         o = torch.cat(core, dim=0)  # [T, Hv, dv]
-        o = rms_norm_gated(o, z, self.norm.weight, self.eps, self.gate_act)
+        o = rms_norm_gated(o, z, self.norm.weight, self.eps, self.gate_act, ri)
         return linear(o.reshape(T, self.hv * self.dv), self.out_proj.weight, ri)

@@ -37,7 +37,7 @@ Shape = tuple[int, ...]
 Index = tuple[int | slice, ...]
 
 
-# ---- PLE table geometry (shared with make_model) ------------------------------------------------------------
+# ---- PLE table geometry (shared with make_model) ---------------------------------------------------------
 
 
 def _is_prime(n: int) -> bool:
@@ -72,7 +72,7 @@ def ple_table_rows(cfg: ModelConfig, ple_index: int) -> int:
     return math.ceil(total / div) * div
 
 
-# ---- expected runtime shapes --------------------------------------------------------------------------------
+# ---- expected runtime shapes -----------------------------------------------------------------------------
 
 
 def _hc_shapes(cfg: ModelConfig, prefix: str, inject: bool = True) -> dict[str, Shape]:
@@ -215,7 +215,7 @@ def expected_shapes(
     return shapes
 
 
-# ---- checkpoint files ---------------------------------------------------------------------------------------
+# ---- checkpoint files ------------------------------------------------------------------------------------
 
 
 class _Checkpoint:
@@ -266,7 +266,7 @@ class _Checkpoint:
         return self.handle(self.where[name]).get_tensor(name)
 
 
-# ---- recipes: which checkpoint tensors fill which part of a runtime tensor ----------------------------------
+# ---- recipes: which checkpoint tensors fill which part of a runtime tensor -------------------------------
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from nextserve.model.loader import (
     PROGRESS_MIN_BYTES,
     expected_shapes,
     ple_head_vocab_sizes,
-    ple_table_rows,
 )
 from nextserve.model.tokenizer_build import ENDOFTEXT, IM_END, build_tokenizer, default_corpus
 
@@ -153,7 +152,7 @@ _MASK64 = (1 << 64) - 1
 Shape = tuple[int, ...]
 
 
-# ---- config -------------------------------------------------------------------------------------------------
+# ---- config ----------------------------------------------------------------------------------------------
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +191,7 @@ def _full_config(text: dict[str, Any], layout: str, dtype: torch.dtype) -> dict[
     }
 
 
-# ---- tensor plan ---------------------------------------------------------------------------------------------
+# ---- tensor plan -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -240,6 +239,9 @@ def _init(key: str, shape: Shape, gen: torch.Generator) -> torch.Tensor:
         return normal(1 / math.sqrt(shape[-1]))
     if key.endswith("embed_tokens.weight") or ".ngram_embedding." in key:
         return normal(1.0)
+    if key == "lm_head.weight":
+        # Logits std ~1.5 as in a trained model, so greedy argmax rarely sits on a near-tie.
+        return normal(3 / math.sqrt(shape[-1]))
     return normal(1 / math.sqrt(shape[-1]))
 
 
@@ -283,7 +285,6 @@ def _ple_tensors(
 ) -> Iterator[_Tensor]:
     layer = int(key.split(".")[1])
     ple_index = cfg.ple_layers.index(layer)
-    assert shape[0] == ple_table_rows(cfg, ple_index)
     base = key[: -len(".weight")]
     for i, rows in enumerate(_chunk_rows(shape[0], cfg.split_ngram_parts)):
         # Each row shard has its own generator so a huge table never needs to exist in memory at once.
@@ -386,14 +387,13 @@ def checkpoint_tensors(
             # Shipped MTP mixers carry an inject weight that no loader uses; keep it so loaders must skip it.
             n, nh = cfg.hc_count, cfg.hc_hidden
             out.append(_random(seed, "mtp.hyper_connection_mixer.block_inject_weight.weight", (n, nh), dtype))
-    for t in out:
-        object.__setattr__(t, "name", _checkpoint_name(t.name, layout))
+    out = [replace(t, name=_checkpoint_name(t.name, layout)) for t in out]
     if layout == "multimodal":
         out += _vision_tensors(seed, cfg.hidden_size, dtype)
     return out
 
 
-# ---- writing -------------------------------------------------------------------------------------------------
+# ---- writing ---------------------------------------------------------------------------------------------
 
 
 def _pack(tensors: list[_Tensor], shard_bytes: int | None) -> list[list[_Tensor]]:

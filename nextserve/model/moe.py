@@ -7,6 +7,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.linear import linear
 from ..ops.moe import experts, route
+from ..ops.pointwise import rowwise
 from .params import Weight
 
 
@@ -27,7 +28,7 @@ class SharedExpert(nn.Module):
         self.down_proj = Weight(H, I)
 
     def forward(self, x: torch.Tensor, ri: bool) -> torch.Tensor:
-        h = F.silu(linear(x, self.gate_proj.weight, ri)) * linear(x, self.up_proj.weight, ri)
+        h = rowwise(F.silu, linear(x, self.gate_proj.weight, ri), ri) * linear(x, self.up_proj.weight, ri)
         return linear(h, self.down_proj.weight, ri)
 
 
@@ -42,6 +43,6 @@ class SparseMoe(nn.Module):
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
         shared = self.shared_expert(u, ri)
-        w, ids = route(linear(u, self.gate.weight, ri), self.top_k, self.norm_topk)
+        w, ids = route(linear(u, self.gate.weight, ri), self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up_proj, self.experts.down_proj, ri)
-        return routed + torch.sigmoid(linear(u, self.shared_expert_gate.weight, ri)) * shared
+        return routed + rowwise(torch.sigmoid, linear(u, self.shared_expert_gate.weight, ri), ri) * shared

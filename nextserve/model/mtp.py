@@ -63,7 +63,7 @@ class MTP(nn.Module):
             pos = torch.tensor([position + j], device=streams.device)
             batch = ForwardBatch(ids, pos, [SeqChunk(cache, position + j, 1)], row_invariant=True)
             embed = F.embedding(ids, model.embed_tokens.weight)
-            streams = self(streams, embed, batch, model.rope(pos, streams.dtype))
+            streams = self(streams, embed, batch, model.rope(pos, streams.dtype, True))
             logits = linear(self.sample_hidden(streams), model.lm_head.weight, True)
             all_logits.append(logits)
             ids = logits.argmax(dim=-1)

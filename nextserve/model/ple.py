@@ -10,6 +10,7 @@ from ..config import ModelConfig
 from ..ops.conv import causal_conv
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
+from ..ops.pointwise import rowwise
 from .batch import ForwardBatch
 from .params import Weight
 
@@ -123,7 +124,7 @@ class PLE(nn.Module):
         query = rms_norm(x, self.norm_query.weight, self.eps, H)
         d = (key.view(T, n, H) * query.view(T, n, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
         gate = d.abs().clamp_min(1e-6).sqrt() * d.sign()
-        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [T, nH]
+        gated = (rowwise(torch.sigmoid, gate, ri) * value.unsqueeze(-2)).flatten(-2)  # [T, nH]
         normed = rms_norm(gated, self.norm_conv.weight, self.eps, H)
         conv_w = self.conv1d.weight[:, 0, :]
         convs = []
@@ -132,4 +133,4 @@ class PLE(nn.Module):
             out, new_hist = causal_conv(normed[s:e], conv_hist, conv_w, dilation=self.N)
             conv_hist.copy_(new_hist)
             convs.append(out)
-        return gated + F.silu(torch.cat(convs))
+        return gated + rowwise(F.silu, torch.cat(convs), ri)

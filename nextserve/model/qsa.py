@@ -7,6 +7,7 @@ from ..config import ModelConfig
 from ..ops.attention import select_tokens, sparse_attention
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
+from ..ops.pointwise import rowwise
 from ..ops.rope import apply_rope, cos_sin
 from .batch import ForwardBatch
 from .params import Weight
@@ -89,5 +90,5 @@ class QSAttention(nn.Module):
             chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
             k_all, v_all = chunk.cache.read_kv(self.attn_index, chunk.start + chunk.n)
             outs.append(sparse_attention(q[s:e], k_all, v_all, sel, self.scaling))
-        o = torch.cat(outs, dim=0).reshape(T, self.nq * self.d) * torch.sigmoid(gate)
+        o = torch.cat(outs, dim=0).reshape(T, self.nq * self.d) * rowwise(torch.sigmoid, gate, ri)
         return linear(o, self.o_proj.weight, ri)

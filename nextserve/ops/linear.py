@@ -7,10 +7,11 @@ import torch.nn.functional as F
 def linear(x: torch.Tensor, weight: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T -> [T, N].
 
-    # NOTE: a GEMM may pick its blocking (and so its reduction order) from the row count. In
-    # row-invariant mode every row is its own call of one shape, so a row's bits never depend on
-    # the rows beside it (C1). Prefill chunks use one call: the serial reference does the same.
+    # NOTE: a GEMM may pick its blocking (and so its reduction order) from the row count, and a
+    # GEMV its peeling from the input's address alignment. In row-invariant mode every row is its
+    # own call of one shape on a freshly allocated (so equally aligned) copy, so a row's bits never
+    # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does.
     """
-    if not row_invariant or x.shape[0] <= 1:
+    if not row_invariant:
         return F.linear(x, weight)
-    return torch.cat([F.linear(x[i : i + 1], weight) for i in range(x.shape[0])], dim=0)
+    return torch.cat([F.linear(x[i : i + 1].clone(), weight) for i in range(x.shape[0])], dim=0)

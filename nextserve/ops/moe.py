@@ -4,11 +4,14 @@ import torch
 import torch.nn.functional as F
 
 from .linear import linear
+from .pointwise import rowwise
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, row_invariant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (model dtype) -> (weights [T, k] model dtype, expert ids [T, k])."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    probs = rowwise(lambda t: torch.softmax(t, dim=-1, dtype=torch.float), logits, row_invariant)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if normalize:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -33,6 +36,6 @@ def experts(
         tok, slot = torch.where(ids == e)
         h = linear(x[tok], gate_up[e], row_invariant)
         g, u = h.chunk(2, dim=-1)
-        y = linear(F.silu(g) * u, down[e], row_invariant)
+        y = linear(rowwise(F.silu, g, row_invariant) * u, down[e], row_invariant)
         out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
     return out

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from .pointwise import rowwise
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
     """G-norm: x * rsqrt(mean(x^2) + eps) * (1 + w), per `group`-sized slice of the last dim."""
@@ -16,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | Non
 
 
 def rms_norm_gated(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str, row_invariant: bool = False
 ) -> torch.Tensor:
     """P-norm of x (plain weight), times act(gate); the GDN output norm."""
     dtype = x.dtype
@@ -24,7 +26,7 @@ def rms_norm_gated(
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * xf.to(dtype)
     g = gate.float()
-    out = out * (torch.sigmoid(g) if act == "sigmoid" else F.silu(g))
+    out = out * rowwise(torch.sigmoid if act == "sigmoid" else F.silu, g, row_invariant)
     return out.to(dtype)
 
 

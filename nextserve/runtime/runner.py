@@ -56,6 +56,6 @@ class ModelRunner:
         logits = self.model.logits(torch.cat(rows), row_invariant=True)
         out = []
         for ch, row in zip(sample_chunks, logits, strict=True):
-            token, lp = sample_row(row, ch.seq.params, ch.seq.generator)
+            token, lp = sample_row(row, ch.seq.params, ch.seq.generator, ch.seq.constraint)
             out.append(Sampled(ch.seq, token, lp))
         return out

@@ -1,0 +1,180 @@
+"""The `nextserve` command line. Subcommands: serve (others are added beside it).
+
+Every EngineConfig field is a `nextserve serve` flag of the same name with dashes for underscores (C3);
+the flags are generated from the dataclass, so a new engine field is a new flag without a change here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from collections.abc import Callable
+
+from .config import ConfigError, EngineConfig
+
+# Help for engine flags; a field missing here still gets a flag, with a generic help line.
+ENGINE_FLAG_HELP: dict[str, str] = {
+    "model": "model directory (Hugging Face layout: config.json, *.safetensors, tokenizer)",
+    "dtype": "weights and activations dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32",
+    "device": "auto, cpu, cuda or cuda:N",
+    "prefill_chunk": "prompt tokens per prefill step; prefix-cache snapshots lie on this grid",
+    "max_concurrency": "most sequences running at once (recurrent-state slots)",
+    "kv_capacity": "tokens in the shared paged KV pool, or auto (from free memory)",
+    "max_context": "most tokens (prompt + output) per sequence; default: the model's max_position_embeddings",
+    "page_size": "tokens per KV page",
+    "max_pending": "most requests waiting for admission; more are answered 503 with Retry-After",
+    "memory_headroom_mib": "GPU memory left free when sizing the KV pool automatically",
+    "cpu_kv_budget_mib": "KV pool size on the CPU when kv_capacity is auto",
+    "seed": "engine seed for requests that give none",
+    "mtp": "use the MTP draft block for speculative decoding",
+}
+
+
+def _scalar(kind: str) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        return text
+
+    return parse
+
+
+def _engine_flag_parser(hint: object, default: object) -> dict:
+    """argparse keyword arguments for one EngineConfig field of type `hint`."""
+    args = typing.get_args(hint)
+    kinds = {a for a in args if a is not type(None)} if args else {hint}
+    if kinds == {bool}:
+        return {"action": argparse.BooleanOptionalAction}
+    if kinds == {int}:
+        return {"type": int, "metavar": "N"}
+    if kinds == {float}:
+        return {"type": float, "metavar": "X"}
+    if kinds == {str}:
+        return {"type": str}
+    if kinds == {int, str}:
+        # An integer, or a keyword such as "auto".
+        def int_or_word(text: str) -> int | str:
+            try:
+                return int(text)
+            except ValueError:
+                return text
+
+        return {"type": int_or_word, "metavar": f"N|{default}" if isinstance(default, str) else "N|WORD"}
+    return {"type": str}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field; unset flags keep the dataclass defaults."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        default = None if f.default is dataclasses.MISSING else f.default
+        kwargs = _engine_flag_parser(hints[f.name], default)
+        help_text = ENGINE_FLAG_HELP.get(f.name, f"engine setting {f.name}")
+        if default is not None and f.name != "model":
+            help_text += f" (default: {default})"
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            help=help_text,
+            **kwargs,
+        )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return EngineConfig(**given)
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a model over the OpenAI-compatible HTTP API (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health, /metrics).",
+    )
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes (default: none)"
+    )
+    server.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the --model value)"
+    )
+    server.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds of quiet (a long prefill) after which a stream gets a `: keep-alive` comment",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
+    )
+    add_engine_flags(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if getattr(args, "model", None) is None:
+        parser.error("serve needs --model DIR (a Hugging Face model directory); there is no default model yet")
+    if args.port < 0 or args.port > 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    if args.keepalive_interval <= 0 or args.shutdown_timeout < 0:
+        parser.error("--keepalive-interval must be > 0 and --shutdown-timeout >= 0")
+    try:
+        config = engine_config_from_args(args)
+    except (ConfigError, TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    from .server.api import serve
+
+    try:
+        serve(
+            config,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            keepalive_s=args.keepalive_interval,
+            shutdown_timeout_s=args.shutdown_timeout,
+            log_level=args.log_level,
+        )
+    except ConfigError as exc:
+        print(f"nextserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nextserve", description="Inference server for Flash-Next models")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    sub_parser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    return args.func(args, sub_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Constrained decoding with xgrammar: JSON schema, any JSON object, regex, EBNF grammar, a choice
+of strings, and forced tool calls, as TokenConstraint objects the engine's sampler applies.
+
+The compiler (and the tokenizer's vocabulary table it needs) is built on first use. Compiling runs
+on a worker thread, so callers should `await asyncio.to_thread(...)` the `compile_*` methods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+import torch
+
+log = logging.getLogger("nextserve.grammar")
+
+try:
+    import xgrammar as xgr
+except Exception as exc:  # pragma: no cover - xgrammar ships with the server extra
+    xgr = None
+    _IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}"
+else:
+    _IMPORT_ERROR = None
+
+# NOTE: a cap on consecutive whitespace inside JSON. Unbounded whitespace lets a weak or unlucky model
+# loop on spaces forever; 16 still allows pretty-printed JSON a few levels deep.
+MAX_JSON_WHITESPACE = 16
+
+
+_XGR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
+class GrammarUnavailable(RuntimeError):
+    """Structured output was asked for but xgrammar cannot be used with this model."""
+
+
+class XGrammarConstraint:
+    """One request's grammar state: which tokens may come next (a TokenConstraint)."""
+
+    def __init__(self, compiled: Any, vocab_size: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self.failed = False
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        if self.matcher.is_terminated():
+            return None
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        bits = ((self.bitmask[0].unsqueeze(1) >> self._shifts) & 1).bool().flatten()
+        if bits.numel() < vocab_size:
+            bits = torch.cat([bits, torch.zeros(vocab_size - bits.numel(), dtype=torch.bool)])
+        return bits[:vocab_size]
+
+    def accept(self, token_id: int) -> None:
+        if self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token_id):
+            # NOTE: cannot happen when the sampler applied our mask; end the request rather than let
+            # it go on unconstrained.
+            log.warning("grammar rejected token %d; ending the request", token_id)
+            self.failed = True
+
+    def is_terminated(self) -> bool:
+        return self.failed or self.matcher.is_terminated()
+
+
+class GrammarBackend:
+    """Compiles grammars for one model's tokenizer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+        self.error: str | None = None
+        if xgr is None:
+            self.error = f"xgrammar is not installed ({_IMPORT_ERROR})"
+        elif tokenizer is None:
+            self.error = "the model has no tokenizer"
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+    def _get_compiler(self) -> Any:
+        if self.error is not None:
+            raise GrammarUnavailable(f"structured output is unavailable: {self.error}")
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    stop = [self.eos_token_id] if self.eos_token_id is not None else None
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
+                    )
+                    self._compiler = xgr.GrammarCompiler(info)
+                except Exception as exc:  # noqa: BLE001 - an unusable tokenizer disables the feature
+                    self.error = f"xgrammar cannot use this tokenizer ({type(exc).__name__}: {exc})"
+                    raise GrammarUnavailable(f"structured output is unavailable: {self.error}") from exc
+            return self._compiler
+
+    def warm_up(self) -> None:
+        """Builds the vocabulary table now rather than on the first request (best effort)."""
+        try:
+            self._get_compiler()
+        except GrammarUnavailable as exc:
+            log.warning("%s", exc)
+
+    def constraint(self, compiled: Any) -> XGrammarConstraint:
+        return XGrammarConstraint(compiled, self.vocab_size)
+
+    # ---- compilers: each raises ValueError for a bad schema/pattern ---------------------------------
+    def _compile(self, what: str, fn, *args, **kwargs) -> Any:
+        compiler = self._get_compiler()
+        try:
+            return fn(compiler, *args, **kwargs)
+        except GrammarUnavailable:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a message
+            text = _XGR_PREFIX.sub("", str(exc)).strip()
+            raise ValueError(f"invalid {what}: {text}") from exc
+
+    def compile_json_schema(self, schema: dict[str, Any] | str) -> Any:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return self._compile(
+            "JSON schema",
+            lambda c: c.compile_json_schema(
+                text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True
+            ),
+        )
+
+    def compile_json_object(self) -> Any:
+        return self.compile_json_schema({"type": "object"})
+
+    def compile_regex(self, pattern: str) -> Any:
+        return self._compile("regex", lambda c: c.compile_regex(pattern))
+
+    def compile_ebnf(self, grammar: str) -> Any:
+        return self._compile("grammar", lambda c: c.compile_grammar(grammar))
+
+    def compile_choice(self, choices: list[str]) -> Any:
+        alts = " | ".join(_ebnf_string(c) for c in choices)
+        return self._compile("choice", lambda c: c.compile_grammar(f"root ::= {alts}"))
+
+    def compile_tool_calls(self, tools: list[dict[str, Any]], forced: str | None, parallel: bool) -> Any:
+        """One or more `<tool_call>` blocks (exactly one of `forced` when named), nothing else.
+
+        The shape is the chat template's: `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`,
+        with ARGS following the tool's parameters schema.
+        """
+        chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
+        tags = [
+            {
+                "type": "tag",
+                "begin": '<tool_call>\n{"name": ' + json.dumps(t["function"]["name"]) + ', "arguments": ',
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": t["function"].get("parameters") or {"type": "object"},
+                    "max_whitespace_cnt": MAX_JSON_WHITESPACE,
+                },
+                "end": "}\n</tool_call>",
+            }
+            for t in chosen
+        ]
+        if forced is not None or not parallel:
+            fmt: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        else:
+            fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+        tag = {"type": "structural_tag", "format": fmt}
+        return self._compile("tools", lambda c: c.compile_structural_tag(json.dumps(tag)))
+
+
+def _ebnf_string(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)

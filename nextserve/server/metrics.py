@@ -1,0 +1,77 @@
+"""Prometheus metrics of the server, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the engine at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            s = self.stats()
+        except Exception:  # noqa: BLE001 - a scrape never fails the server
+            return
+        gauges = {
+            "nextserve_queue_depth": ("Requests waiting for admission", s.get("waiting", 0)),
+            "nextserve_running_sequences": ("Sequences admitted and running", s.get("running", 0)),
+            "nextserve_kv_pages_in_use": (
+                "KV pages taken",
+                s.get("kv_pages_total", 0) - s.get("kv_pages_free", 0),
+            ),
+            "nextserve_kv_pages_total": ("KV pages in the pool", s.get("kv_pages_total", 0)),
+            "nextserve_state_slots_in_use": (
+                "Recurrent-state slots taken",
+                s.get("state_slots_total", 0) - s.get("state_slots_free", 0),
+            ),
+            "nextserve_state_slots_total": ("Recurrent-state slots", s.get("state_slots_total", 0)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "nextserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("nextserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("nextserve_generation_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter(
+            "nextserve_cached_prompt_tokens", "Prompt tokens resumed from the prefix cache", registry=r
+        )
+        self.finished = Counter(
+            "nextserve_requests_finished", "Generation requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "nextserve_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "nextserve_inter_token_latency_seconds",
+            "Time between generated tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "nextserve_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS, registry=r
+        )
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,363 @@
+"""Pydantic models of the OpenAI-compatible API: requests (validated strictly) and responses.
+
+Requests are strict: a string where a number belongs, a float where an integer belongs, or an
+out-of-range value is a 400, as the OpenAI API answers. Unknown top-level fields are ignored (agent
+clients send vendor fields such as `metadata` or `store`), but every known field is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = _STRICT
+
+
+# ---- shared pieces -----------------------------------------------------------------------------------
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            check_json_schema(self.json_schema.schema_)
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [v for v in (self.json_, self.regex, self.grammar, self.choice) if v is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, grammar, choice")
+        if self.json_ is not None:
+            check_json_schema(_load_schema(self.json_))
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        return self
+
+
+class _SamplingFields(_Strict):
+    """Fields that chat and completions share."""
+
+    model: str | None = None
+    temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    n: int | None = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Finite | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Finite | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Finite] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    # Constrained decoding extensions (vLLM's names); at most one constraint per request.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_json(cls, v: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        if v is not None:
+            check_json_schema(_load_schema(v))
+        return v
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choices(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or any(not c for c in v)):
+            raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+        return v
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this model reads text only")
+        if self.text is None:
+            raise ValueError("a text content part needs a string `text`")
+        return self
+
+
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role != "assistant":
+            if self.content is None:
+                raise ValueError(f"a {self.role} message needs content")
+            if self.tool_calls:
+                raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _TOOL_NAME.match(v):
+            raise ValueError("a function name is 1-64 characters of letters, digits, '_', '.' or '-'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            check_json_schema(v)
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    # NOTE: cross-field checks (tool_choice against tools, top_logprobs against logprobs) are in api.py,
+    # where the error can name its field.
+
+
+# ---- completions ---------------------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nextserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+
+
+def _load_schema(v: dict[str, Any] | str) -> Any:
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+    return v
+
+
+def check_json_schema(schema: Any) -> None:
+    """Raises ValueError when `schema` is not a JSON Schema document."""
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be an object")
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - jsonschema ships with the server extra
+        return
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"not a valid JSON schema: {exc.message}") from None

@@ -1,0 +1,85 @@
+"""Shared fixtures: random Flash-Next checkpoints written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nextserve.model.make_model import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset, text layout, per-expert experts, one safetensors file, with MTP weights."""
+    return make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small preset (8 layers, 2 QSA, 16 experts), text layout, one file, with MTP weights."""
+    return make_model("small", tmp_path_factory.mktemp("small"), seed=0)
+
+
+# ---- engine tests (tests/cache, tests/engine) --------------------------------------------------
+@pytest.fixture(scope="session")
+def oracle_config():
+    """nextserve's ModelConfig of hf_oracle.TINY (pool and slot shapes for the cache tests)."""
+    from hf_oracle import TINY
+
+    from nextserve.config import ModelConfig
+
+    return ModelConfig.from_dict({**TINY, "model_type": "qwen4_exp_text"})
+
+
+@pytest.fixture(scope="session")
+def oracle_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' reference model on hf_oracle.TINY (seed 0, token ids only, eos 1), saved as a model
+    directory; lm_head scaled by 30 so greedy decoding is not decided by near-ties."""
+    import torch
+    from hf_oracle import TINY, hf_model
+
+    hf = hf_model(TINY, seed=0)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30)
+    out = tmp_path_factory.mktemp("oracle_tiny")
+    hf.save_pretrained(out)
+    return out
+
+
+ORACLE_ENGINE_FLAGS = dict(
+    dtype="float32",
+    device="cpu",
+    max_concurrency=4,
+    kv_capacity=512,
+    page_size=16,
+    prefill_chunk=16,
+    max_context=256,
+)
+
+
+@pytest.fixture(scope="session")
+def oracle_llm(oracle_model_dir):
+    """A factory of fresh LLMs on the oracle model: oracle_llm(**engine_flags) (defaults above)."""
+    from nextserve import LLM
+
+    def make(**flags):
+        return LLM(str(oracle_model_dir), **(ORACLE_ENGINE_FLAGS | flags))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def solo_run(oracle_llm):
+    """The serial reference: solo_run(prompt_ids, params, **flags) runs one request alone on a fresh
+    one-at-a-time engine (max_concurrency 1) and returns its RequestOutput."""
+
+    def run(prompt, params, **flags):
+        llm = oracle_llm(**(flags | {"max_concurrency": 1}))
+        (out,) = llm.generate([list(prompt)], params)
+        stats = llm.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        assert stats["state_slots_free"] == stats["state_slots_total"]
+        return out
+
+    return run

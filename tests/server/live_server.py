@@ -1,0 +1,121 @@
+"""Live servers for the API tests (helpers; conftest.py holds the fixtures): uvicorn on 127.0.0.1 (a free port), on a background thread, over an
+AsyncEngine on the tiny random checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import uvicorn
+
+from nextserve.config import EngineConfig
+from nextserve.engine.async_engine import AsyncEngine
+from nextserve.server.api import build_app
+
+MODEL_NAME = "tiny-test"
+
+# Small pools so waiting (for slots and for pages) is exercised.
+BASE_FLAGS = dict(
+    dtype="float32",
+    device="cpu",
+    max_concurrency=4,
+    kv_capacity=4096,
+    page_size=16,
+    prefill_chunk=64,
+    max_context=1024,
+    max_pending=64,
+)
+
+
+@dataclass
+class LiveServer:
+    engine: AsyncEngine
+    port: int
+    api_key: str | None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", **kwargs)
+
+    def async_client(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", **kwargs)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """A plain HTTP request (no client-side checks): (status, headers, body bytes)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            h = {"Content-Type": "application/json"}
+            if self.api_key:
+                h["Authorization"] = f"Bearer {self.api_key}"
+            h.update(headers or {})
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            conn.request(method, path, body=data, headers=h)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, int]:
+        """Waits until nothing runs or waits, then returns stats()."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine.stats()
+            if (s["running"] == 0 and s["waiting"] == 0) or time.monotonic() > deadline:
+                return s
+
+
+def assert_pool_full(stats: dict[str, int]) -> None:
+    assert stats["waiting"] == 0 and stats["running"] == 0, stats
+    assert stats["kv_pages_free"] == stats["kv_pages_total"], stats
+    assert stats["state_slots_free"] == stats["state_slots_total"], stats
+
+
+@contextlib.contextmanager
+def live_server(model_dir, api_key: str | None = None, keepalive_s: float = 5.0, **flags) -> Iterator[LiveServer]:
+    torch.set_num_threads(1)  # the engine thread and the test client share two cores
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), **(BASE_FLAGS | flags)))
+    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield LiveServer(engine, port, api_key)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        engine.shutdown()
+        sock.close()
