@@ -17,7 +17,7 @@ from .config import ConfigError, EngineConfig
 # Help for engine flags; a field missing here still gets a flag, with a generic help line.
 ENGINE_FLAG_HELP: dict[str, str] = {
     "model": "model directory (Hugging Face layout: config.json, *.safetensors, tokenizer)",
-    "dtype": "weights and activations dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32",
+    "dtype": "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32",
     "device": "auto, cpu, cuda or cuda:N",
     "prefill_chunk": "prompt tokens per prefill step; prefix-cache snapshots lie on this grid",
     "max_concurrency": "most sequences running at once (recurrent-state slots)",
@@ -28,7 +28,6 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "memory_headroom_mib": "GPU memory left free when sizing the KV pool automatically",
     "cpu_kv_budget_mib": "KV pool size on the CPU when kv_capacity is auto",
     "seed": "engine seed for requests that give none",
-    "mtp": "use the MTP draft block for speculative decoding",
 }
 
 
@@ -131,7 +130,9 @@ def _serve_parser(sub) -> None:
 
 def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if getattr(args, "model", None) is None:
-        parser.error("serve needs --model DIR (a Hugging Face model directory); there is no default model yet")
+        parser.error(
+            "serve needs --model DIR (a Hugging Face model directory); there is no default model yet"
+        )
     if args.port < 0 or args.port > 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.keepalive_interval <= 0 or args.shutdown_timeout < 0:
@@ -159,10 +160,82 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate from one prompt and stream the text to stdout")
+    add_engine_flags(p)
+    p.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .engine.engine import LLMEngine
+    from .engine.sampling import SamplingParams
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+        prompt = args.prompt
+        if args.chat:
+            tok = engine.tokenizer
+            if tok is None or not getattr(tok, "chat_template", None):
+                parser.error("--chat: this model directory has no chat template")
+            msgs = [{"role": "user", "content": prompt}]
+            prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=getattr(args, "seed", None),  # --seed is the engine flag
+        )  # fmt: skip
+        engine.add_request(prompt, params, "cli")
+    except (ConfigError, ValueError) as exc:
+        print(f"nextserve generate: {exc}", file=sys.stderr)
+        return 2
+    shown = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text[len(shown) :])
+            sys.stdout.flush()
+            shown = out.text
+            if out.finished and out.finish_reason == "error":
+                print(f"\nnextserve generate: {out.error}", file=sys.stderr)
+                return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _make_model_parser(sub) -> None:
+    from .model.make_model import PRESETS
+
+    p = sub.add_parser("make-model", help="write a random checkpoint in Hugging Face layout")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=["text", "multimodal"], default="text")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    p.set_defaults(func=_run_make_model)
+
+
+def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from .model.make_model import make_model
+
+    out = make_model(
+        args.preset, Path(args.out), seed=args.seed, layout=args.layout, with_mtp=not args.no_mtp
+    )
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextserve", description="Inference server for Flash-Next models")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
+    _generate_parser(sub)
+    _make_model_parser(sub)
     return parser
 
 

@@ -266,7 +266,6 @@ class EngineConfig:
     memory_headroom_mib: int = 2048
     cpu_kv_budget_mib: int = 1024
     seed: int = 0
-    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -24,7 +24,7 @@ TINY = dict(
 # A second shape: 8 layers (two QSA), SiLU output gate, three-way GQA, a wider budget, c = 2.
 WIDE = dict(
     TINY, hidden_size=48, num_hidden_layers=8,
-    layer_types=["linear_attention"] * 3 + ["indexed_attention"] + ["linear_attention"] * 3 + ["indexed_attention"],
+    layer_types=(["linear_attention"] * 3 + ["indexed_attention"]) * 2,
     num_attention_heads=6, num_key_value_heads=2, head_dim=16, output_gate_type="silu",
     rope_parameters=dict(rope_type="default", rope_theta=1e5, partial_rotary_factor=1.0,
                          mrope_section=[3, 3, 2], mrope_interleaved=True),
@@ -95,7 +95,9 @@ def run_serial(model, seq, prompt: torch.Tensor, chunk: int, new_tokens: int = 0
     ids, streams = prompt.clone(), []
 
     def forward(s: int, e: int) -> torch.Tensor:
-        batch = ForwardBatch(ids[s:e], torch.arange(s, e), [SeqChunk(seq, s, e - s)], row_invariant=e - s == 1)
+        batch = ForwardBatch(
+            ids[s:e], torch.arange(s, e), [SeqChunk(seq, s, e - s)], row_invariant=e - s == 1
+        )
         x = model(batch)
         streams.append(x)
         return x

@@ -46,9 +46,7 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(config.model)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(config.model)
-        weights = load_weights(
-            Path(config.model), cfg, with_mtp=config.mtp, dtype=self.dtype, device=self.device
-        )
+        weights = load_weights(Path(config.model), cfg, dtype=self.dtype, device=self.device)
         with torch.device(self.device):
             self.model = FlashNext(cfg).to(self.dtype)
         self.model.load_state_dict(

@@ -32,6 +32,8 @@ class GatedResidual(nn.Module):
     def forward(self, x: torch.Tensor, block, ri: bool) -> torch.Tensor:
         """X_s <- X_s + inj_s * block(u), inj = 2 sigmoid(W_inj X^ / n) from the pre-block streams."""
         u, xn = self.mix(x, ri)
-        inj = 2 * rowwise(torch.sigmoid, linear(xn, self.block_inject_weight.weight, ri) / self.n, ri)  # [T, n]
+        inj = 2 * rowwise(
+            torch.sigmoid, linear(xn, self.block_inject_weight.weight, ri) / self.n, ri
+        )  # [T, n]
         y = block(u)  # [T, H]
         return x + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)

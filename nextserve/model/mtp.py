@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import QSA, ModelConfig
+from ..config import QSA, ConfigError, ModelConfig
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from .batch import ForwardBatch, SeqChunk
@@ -19,6 +19,10 @@ from .params import Weight
 class MTP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.index_share_for_mtp_iteration:
+            raise ConfigError(
+                "index_share_for_mtp_iteration=true is not supported yet (draft steps >= 1 would differ)"
+            )
         H = cfg.hidden_size
         self.cfg, self.n, self.hidden, self.eps = cfg, cfg.hc_count, H, cfg.rms_norm_eps
         self.fc_embedding = Weight(H, H)

@@ -18,7 +18,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | Non
 
 
 def rms_norm_gated(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str, row_invariant: bool = False
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    act: str,
+    row_invariant: bool = False,
 ) -> torch.Tensor:
     """P-norm of x (plain weight), times act(gate); the GDN output norm."""
     dtype = x.dtype

@@ -12,6 +12,8 @@ import hmac
 import json
 import logging
 import math
+import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +41,7 @@ request_log = logging.getLogger("nextserve.requests")
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 _LOG_KEY = "nextserve.log"  # the scope key of a request's structured-log fields
+MAX_BODY_BYTES = 256 * 2**20  # a request body larger than this is answered 413
 
 
 class APIError(Exception):
@@ -92,7 +95,13 @@ class _Server:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as token ids")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # NOTE: JSON may carry lone UTF-16 surrogates ("\ud800"), which no tokenizer takes; they become
+        # U+FFFD, as a browser would show them.
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the text could not be tokenized: {exc}") from None
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -249,11 +258,11 @@ class _EventStream(StreamingResponse):
     """An SSE response that notices a client disconnect at once (not at its next write) and then
     aborts the request: the engine frees its pages and slot before the next step."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], request_id: str) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id},
         )
         self.on_close = on_close
 
@@ -335,7 +344,9 @@ class _Middleware:
                 return
             await self.app(scope, receive, send_status)
         finally:
-            endpoint = path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+            endpoint = (
+                path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+            )
             self.srv.metrics.requests.labels(endpoint, str(status[0])).inc()
             if path.startswith("/v1") and scope.get("method") == "POST":
                 record = {"event": "request", "path": path, "status": status[0]}
@@ -380,7 +391,9 @@ def build_app(
     if tokenizer is not None and _is_byte_level(tokenizer):
         srv.byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
 
-    app = FastAPI(title="nextserve", version="0.1.0", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="nextserve", version="0.1.0", docs_url=None, redoc_url=None, max_body_size=MAX_BODY_BYTES
+    )
     app.state.nextserve = srv
     app.add_middleware(_Middleware, srv=srv)
 
@@ -400,7 +413,9 @@ def build_app(
         errors = exc.errors()
         # NOTE: a union field reports one error per member; the one whose location goes deepest is the
         # member the client meant (a list of content parts, not a string).
-        first = max(errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
+        first = max(
+            errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"}
+        )
         loc = _clean_loc(first.get("loc", ()))
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
@@ -432,7 +447,8 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+        # NOTE: reading the engine's stats waits for the current step; do it off the event loop.
+        return Response(await asyncio.to_thread(srv.metrics.render), media_type=CONTENT_TYPE)
 
     def _card() -> P.ModelCard:
         return P.ModelCard(id=srv.name, max_model_len=srv.max_context)
@@ -483,9 +499,7 @@ def _clean_loc(loc) -> list[str]:
 
 def _check_model(srv: _Server, model: str | None) -> None:
     if model is not None and model not in (srv.name, srv.model_path):
-        raise APIError(
-            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def _check_common(srv: _Server, req: P._SamplingFields) -> None:
@@ -514,7 +528,9 @@ def _check_chat(req: P.ChatCompletionRequest) -> None:
     if tc is not None and tc not in ("none", "auto") and not req.tools:
         raise _bad("tool_choice other than none/auto needs tools", param="tool_choice")
     if isinstance(tc, P.NamedToolChoice) and tc.function.name not in names:
-        raise _bad(f"tool_choice names {tc.function.name!r}, which is not among the tools", param="tool_choice")
+        raise _bad(
+            f"tool_choice names {tc.function.name!r}, which is not among the tools", param="tool_choice"
+        )
 
 
 def _check_length(srv: _Server, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
@@ -537,7 +553,9 @@ def _check_length(srv: _Server, n_prompt: int, max_tokens: int | None, prompt_pa
         )
 
 
-def _sampling(srv: _Server, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(
+    srv: _Server, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     d = srv.defaults
     try:
         return SamplingParams(
@@ -578,7 +596,9 @@ async def _constraint(srv: _Server, req: P._SamplingFields, tools: list[dict] | 
     if so is not None:
         given = [k for k in ("json_", "regex", "grammar", "choice") if getattr(so, k) is not None]
         if len(given) != 1:
-            raise _bad("structured_outputs needs exactly one of json, regex, grammar, choice", "structured_outputs")
+            raise _bad(
+                "structured_outputs needs exactly one of json, regex, grammar, choice", "structured_outputs"
+            )
         k = given[0]
         fn = {"json_": g.compile_json_schema, "regex": g.compile_regex, "grammar": g.compile_ebnf}.get(
             k, g.compile_choice
@@ -629,7 +649,9 @@ def _add(srv: _Server, ids: list[int], params: SamplingParams, rid: str, constra
     except ValueError as exc:
         raise _bad(str(exc)) from None
     except RuntimeError as exc:
-        raise APIError(503, f"The server is not accepting requests: {exc}", "server_error", code="unavailable") from None
+        raise APIError(
+            503, f"The server is not accepting requests: {exc}", "server_error", code="unavailable"
+        ) from None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -656,7 +678,7 @@ async def _collect(srv: _Server, queue: asyncio.Queue, rid: str, request: Reques
     finally:
         if not consume.done():
             consume.cancel()
-            srv.engine.abort(rid)
+            _abort(srv, rid)
             tracker.finish("client_disconnect")
         watch.cancel()
     if consume.cancelled():
@@ -668,20 +690,30 @@ async def _collect(srv: _Server, queue: asyncio.Queue, rid: str, request: Reques
 
 def _raise_for_failure(out: RequestOutput) -> None:
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error or 'unknown error'}", "server_error", code="engine_error")
+        raise APIError(
+            500, f"generation failed: {out.error or 'unknown error'}", "server_error", code="engine_error"
+        )
     if out.finish_reason == "abort":
-        raise APIError(503, "the request was aborted: the server is shutting down", "server_error", code="aborted")
+        raise APIError(
+            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
+        )
 
 
 def _stream_error(out: RequestOutput) -> str:
     if out.finish_reason == "error":
-        err = APIError(500, f"generation failed: {out.error or 'unknown error'}", "server_error", code="engine_error")
+        err = APIError(
+            500, f"generation failed: {out.error or 'unknown error'}", "server_error", code="engine_error"
+        )
     else:
-        err = APIError(503, "the request was aborted: the server is shutting down", "server_error", code="aborted")
+        err = APIError(
+            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
+        )
     return _sse(err.body())
 
 
-def _usage(out: RequestOutput | None, n_prompt: int, n_gen: int | None = None, cached: int = 0) -> dict[str, Any]:
+def _usage(
+    out: RequestOutput | None, n_prompt: int, n_gen: int | None = None, cached: int = 0
+) -> dict[str, Any]:
     gen = len(out.token_ids) if out is not None else (n_gen or 0)
     cached = out.cached_tokens if out is not None else cached
     return {
@@ -747,11 +779,11 @@ async def _chat(srv: _Server, req: P.ChatCompletionRequest, request: Request) ->
     created = int(time.time())
     if req.stream:
         gen = _chat_stream(srv, req, queue, rid, created, len(ids), params, tool_mode, tracker)
-        return _EventStream(gen, on_close=lambda: _close(srv, rid, tracker))
+        return _EventStream(gen, on_close=lambda: _close(srv, rid, tracker), request_id=rid)
     try:
         out = await _collect(srv, queue, rid, request, tracker)
     except BaseException:
-        srv.engine.abort(rid)
+        _abort(srv, rid)
         raise
     if out is None:
         return Response(status_code=499)  # nobody is listening
@@ -782,12 +814,22 @@ async def _chat(srv: _Server, req: P.ChatCompletionRequest, request: Request) ->
         "choices": [choice],
         "usage": _usage(out, len(ids)),
     }
-    return JSONResponse(body)
+    return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+def _abort(srv: _Server, rid: str) -> None:
+    """Aborts a request without holding up the event loop (abort waits for the engine's current step)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        srv.engine.abort(rid)
+        return
+    loop.run_in_executor(None, srv.engine.abort, rid)
 
 
 def _close(srv: _Server, rid: str, tracker: _Tracker) -> None:
     if not tracker.done:
-        srv.engine.abort(rid)
+        _abort(srv, rid)
         tracker.finish("client_disconnect")
 
 
@@ -797,7 +839,12 @@ def _event_delta(ev: Event) -> dict[str, Any]:
     if isinstance(ev, CallStart):
         return {
             "tool_calls": [
-                {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+                {
+                    "index": ev.index,
+                    "id": ev.id,
+                    "type": "function",
+                    "function": {"name": ev.name, "arguments": ""},
+                }
             ]
         }
     assert isinstance(ev, CallArgs)
@@ -930,16 +977,21 @@ async def _completion(srv: _Server, req: P.CompletionRequest, request: Request) 
     echo = prompt_text if req.echo else ""
     if req.stream:
         gen = _completion_stream(srv, req, queue, rid, created, len(ids), params, tracker, echo)
-        return _EventStream(gen, on_close=lambda: _close(srv, rid, tracker))
+        return _EventStream(gen, on_close=lambda: _close(srv, rid, tracker), request_id=rid)
     try:
         out = await _collect(srv, queue, rid, request, tracker)
     except BaseException:
-        srv.engine.abort(rid)
+        _abort(srv, rid)
         raise
     if out is None:
         return Response(status_code=499)  # nobody is listening
     _raise_for_failure(out)
-    choice: dict[str, Any] = {"index": 0, "text": echo + out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": echo + out.text,
+        "logprobs": None,
+        "finish_reason": out.finish_reason,
+    }
     if req.logprobs is not None:
         choice["logprobs"] = _completion_logprobs(srv, out, 0, _visible_count(srv, out, params), len(echo))
     body = {
@@ -950,10 +1002,12 @@ async def _completion(srv: _Server, req: P.CompletionRequest, request: Request) 
         "choices": [choice],
         "usage": _usage(out, len(ids)),
     }
-    return JSONResponse(body)
+    return JSONResponse(body, headers={"X-Request-Id": rid})
 
 
-def _completion_logprobs(srv: _Server, out: RequestOutput, start: int, end: int, offset: int) -> dict[str, Any]:
+def _completion_logprobs(
+    srv: _Server, out: RequestOutput, start: int, end: int, offset: int
+) -> dict[str, Any]:
     res: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in (out.logprobs or [])[start:end]:
         tok, _ = srv.token_info(lp.token_id)
@@ -1050,8 +1104,10 @@ def serve(
     shutdown_timeout_s: float = 30.0,
     log_level: str = "info",
 ) -> None:
-    """Loads the model and serves it until SIGINT/SIGTERM: then it stops accepting connections, lets
-    in-flight requests finish for up to shutdown_timeout_s, aborts the rest, and returns."""
+    """Loads the model and serves it until SIGINT/SIGTERM. On the signal it stops accepting
+    connections, lets in-flight requests finish for up to shutdown_timeout_s, then aborts the rest
+    (their clients get an error event or a 503, not a cut connection) and returns. A second signal
+    aborts at once."""
     import uvicorn
 
     logging.basicConfig(
@@ -1060,6 +1116,17 @@ def serve(
     )
     log.info("loading %s", config.model)
     engine = AsyncEngine(config)
+    timer: threading.Timer | None = None
+
+    def stop(force: bool) -> None:
+        nonlocal timer
+        if force:
+            engine.shutdown(abort_running=True, timeout=5.0)
+        elif timer is None:
+            timer = threading.Timer(shutdown_timeout_s, engine.shutdown, kwargs={"abort_running": True})
+            timer.daemon = True
+            timer.start()
+
     try:
         app = build_app(engine, served_model_name or str(config.model), api_key, keepalive_s=keepalive_s)
         app.state.nextserve.grammar.warm_up()
@@ -1071,18 +1138,54 @@ def serve(
             engine.engine.max_context,
             engine.stats(),
         )
-        server = uvicorn.Server(
+        server = _GracefulServer(
             uvicorn.Config(
                 app,
                 host=host,
                 port=port,
                 log_level=log_level,
                 access_log=False,
-                timeout_graceful_shutdown=shutdown_timeout_s,
+                # NOTE: a backstop only: the engine aborts what is left after shutdown_timeout_s, and the
+                # aborted requests then end on their own.
+                timeout_graceful_shutdown=shutdown_timeout_s + 10.0,
                 lifespan="off",
-            )
+            ),
+            on_signal=stop,
+            grace_s=shutdown_timeout_s,
         )
         server.run()
     finally:
+        if timer is not None:
+            timer.cancel()
         engine.shutdown(abort_running=True)
         log.info("stopped")
+
+
+try:
+    import uvicorn as _uvicorn
+except ImportError:  # pragma: no cover - uvicorn ships with the server extra
+    _uvicorn = None
+
+if _uvicorn is not None:
+
+    class _GracefulServer(_uvicorn.Server):
+        """uvicorn's server with our stop policy: the first SIGINT/SIGTERM starts the grace period
+        (and the process then exits 0 instead of re-raising the signal); a second one aborts at once."""
+
+        def __init__(self, config, on_signal: Callable[[bool], None], grace_s: float) -> None:
+            super().__init__(config)
+            self.on_signal, self.grace_s = on_signal, grace_s
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                log.warning("second stop signal: aborting in-flight requests now")
+                self.force_exit = True
+                self.on_signal(True)
+                return
+            log.info(
+                "received %s: no new connections; in-flight requests get %g s to finish",
+                signal.Signals(sig).name,
+                self.grace_s,
+            )
+            self.should_exit = True
+            self.on_signal(False)

@@ -49,15 +49,23 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "nextserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+            "nextserve_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
         )
-        self.prompt_tokens = Counter("nextserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter(
+            "nextserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter("nextserve_generation_tokens", "Tokens generated", registry=r)
         self.cached_tokens = Counter(
             "nextserve_cached_prompt_tokens", "Prompt tokens resumed from the prefix cache", registry=r
         )
         self.finished = Counter(
-            "nextserve_requests_finished", "Generation requests by finish reason", ["finish_reason"], registry=r
+            "nextserve_requests_finished",
+            "Generation requests by finish reason",
+            ["finish_reason"],
+            registry=r,
         )
         self.ttft = Histogram(
             "nextserve_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r

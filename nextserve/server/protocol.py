@@ -83,7 +83,7 @@ class _SamplingFields(_Strict):
     temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     n: int | None = Field(default=1, ge=1, le=128)
@@ -139,7 +139,9 @@ class ContentPart(_Strict):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported: this model reads text only")
+            raise ValueError(
+                f"content parts of type {self.type!r} are not supported: this model reads text only"
+            )
         if self.text is None:
             raise ValueError("a text content part needs a string `text`")
         return self
@@ -358,6 +360,8 @@ def check_json_schema(schema: Any) -> None:
     except ImportError:  # pragma: no cover - jsonschema ships with the server extra
         return
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(
+            schema
+        )
     except jsonschema.SchemaError as exc:
         raise ValueError(f"not a valid JSON schema: {exc.message}") from None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from nextserve import SamplingParams
 
 EOS = 1  # hf_oracle.TINY
@@ -84,3 +86,50 @@ def test_batched_equals_serial(oracle_llm, solo_run) -> None:
             )
             mismatches.append((i, len(ids), params, first, out.token_ids, ref.token_ids))
     assert not mismatches, mismatches
+
+
+STATE = ("gdn_conv", "gdn_rec", "ple_ctx", "ple_conv", "index_tail")
+
+
+def test_every_decode_row_is_row_invariant(oracle_llm) -> None:
+    """White-box C1 check at every batched decode step: each row's logits, recurrent state and new KV
+    bits equal what a one-row forward from the same state gives (a sharper probe than outputs:
+    a one-ulp difference need not change a token)."""
+    reqs = workload(seed=7, n=12)
+    llm = oracle_llm(**TIGHT)
+    eng, model, pool, slots = llm.engine, llm.engine.model, llm.engine.pool, llm.engine.slots
+    planes = [pool.k, pool.v, pool.block_keys] + [getattr(slots, n) for n in STATE]
+
+    def forward(chunks):
+        with torch.inference_mode():
+            return model.logits(model(eng.runner._batch(chunks, row_invariant=True)), row_invariant=True)
+
+    def row_state(ch):
+        c = ch.seq.cache
+        kv = [c.read_kv(a, ch.end) for a in range(pool.k.shape[0])]
+        return [getattr(slots, n)[:, c.slot].clone() for n in STATE] + [t.clone() for pair in kv for t in pair]
+
+    checked = 0
+    execute = eng.runner.execute
+
+    def probe(plan):
+        nonlocal checked
+        if len(plan.decodes) >= 2:
+            saved = [t.clone() for t in planes]
+            batched = forward(plan.decodes)
+            after = [row_state(ch) for ch in plan.decodes]
+            for r, ch in enumerate(plan.decodes):
+                for t, s in zip(planes, saved, strict=True):
+                    t.copy_(s)
+                alone = forward([ch])
+                assert torch.equal(alone[0], batched[r]), (r, len(plan.decodes))
+                for i, (a, b) in enumerate(zip(row_state(ch), after[r], strict=True)):
+                    assert torch.equal(a, b), (r, len(plan.decodes), (STATE + ("kv",) * 99)[i])
+            for t, s in zip(planes, saved, strict=True):
+                t.copy_(s)
+            checked += len(plan.decodes)
+        return execute(plan)
+
+    eng.runner.execute = probe
+    llm.generate([ids for ids, _ in reqs], [p for _, p in reqs])
+    assert checked >= 40

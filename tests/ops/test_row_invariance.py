@@ -59,7 +59,11 @@ def test_attention_rows(rows: int) -> None:
 
 def test_conv_rows() -> None:
     g = torch.Generator().manual_seed(8)
-    x, hist, w = torch.randn(16, 40, generator=g), torch.randn(40, 9, generator=g), torch.randn(40, 4, generator=g)
+    x, hist, w = (
+        torch.randn(16, 40, generator=g),
+        torch.randn(40, 9, generator=g),
+        torch.randn(40, 4, generator=g),
+    )
     together, _ = causal_conv(x, hist, w, dilation=3)
     h = hist
     for i in range(16):
@@ -92,5 +96,7 @@ def test_batched_decode_forward_is_row_invariant() -> None:
         for i, ((seq, n), image) in enumerate(zip(seqs, images, strict=True)):
             seq.restore(image)
             seq.reserve(n + 1)
-            alone = model.logits(model(ForwardBatch(tokens[i : i + 1], pos[i : i + 1], [SeqChunk(seq, n, 1)], True)))
+            alone = model.logits(
+                model(ForwardBatch(tokens[i : i + 1], pos[i : i + 1], [SeqChunk(seq, n, 1)], True))
+            )
             assert torch.equal(alone[0], together[i])

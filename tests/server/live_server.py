@@ -1,5 +1,5 @@
-"""Live servers for the API tests (helpers; conftest.py holds the fixtures): uvicorn on 127.0.0.1 (a free port), on a background thread, over an
-AsyncEngine on the tiny random checkpoint."""
+"""Live servers for the API tests (helpers; conftest.py holds the fixtures): uvicorn on 127.0.0.1
+(a free port), on a background thread, over an AsyncEngine on the tiny random checkpoint."""
 
 from __future__ import annotations
 
@@ -94,7 +94,9 @@ def assert_pool_full(stats: dict[str, int]) -> None:
 
 
 @contextlib.contextmanager
-def live_server(model_dir, api_key: str | None = None, keepalive_s: float = 5.0, **flags) -> Iterator[LiveServer]:
+def live_server(
+    model_dir, api_key: str | None = None, keepalive_s: float = 5.0, **flags
+) -> Iterator[LiveServer]:
     torch.set_num_threads(1)  # the engine thread and the test client share two cores
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **(BASE_FLAGS | flags)))
     app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s)
@@ -103,7 +105,9 @@ def live_server(model_dir, api_key: str | None = None, keepalive_s: float = 5.0,
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -7,7 +7,6 @@ import re
 
 import jsonschema
 import pytest
-
 from live_server import MODEL_NAME, assert_pool_full
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
@@ -46,6 +45,8 @@ def test_models_health_metrics(server):
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     status, _, body = server.request("GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
+    status, _, body = server.request("GET", "/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in json.loads(body)["paths"]
     client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=3)
     status, headers, body = server.request("GET", "/metrics")
     text = body.decode()
@@ -115,20 +116,34 @@ def test_logprobs(server):
         assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
         # Greedy: the chosen token is the most likely one.
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
-        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert [t.logprob for t in item.top_logprobs] == sorted(
+            (t.logprob for t in item.top_logprobs), reverse=True
+        )
     stream = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        model=MODEL_NAME,
+        messages=MSGS,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
     )
-    streamed = [lp for c in stream if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    streamed = [
+        lp for c in stream if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content
+    ]
     assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in items]
 
 
 def test_completions(server):
     client = server.client()
-    r = client.completions.create(model=MODEL_NAME, prompt="def main():", max_tokens=6, temperature=0, logprobs=2)
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="def main():", max_tokens=6, temperature=0, logprobs=2
+    )
     (choice,) = r.choices
     assert r.object == "text_completion" and choice.finish_reason in ("stop", "length")
-    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == len(choice.logprobs.text_offset)
+    assert (
+        len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == len(choice.logprobs.text_offset)
+    )
     assert all(len(t) <= 2 for t in choice.logprobs.top_logprobs)
     # Token ids, echo, and streaming give the same tokens.
     ids = server.engine.engine.tokenizer.encode("def main():", add_special_tokens=False)
@@ -137,23 +152,16 @@ def test_completions(server):
     assert r2.usage.prompt_tokens == len(ids) == r.usage.prompt_tokens
     parts = list(
         client.completions.create(
-            model=MODEL_NAME, prompt="def main():", max_tokens=6, temperature=0, stream=True,
+            model=MODEL_NAME,
+            prompt="def main():",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
     assert "".join(p.choices[0].text for p in parts if p.choices) == choice.text
     assert parts[-1].usage.completion_tokens == r.usage.completion_tokens
-
-
-def test_default_max_tokens_runs_to_max_context(server):
-    # Completions default to 16 tokens (as vLLM); chat without max_tokens may run to max_context.
-    r = server.client().completions.create(model=MODEL_NAME, prompt="x", temperature=0, extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 16
-    r = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, temperature=0, extra_body={"ignore_eos": True}
-    )
-    assert r.usage.total_tokens == server.engine.engine.max_context
-    assert r.choices[0].finish_reason == "length"
 
 
 def test_stop_strings(server):
@@ -202,7 +210,11 @@ def test_json_object_regex_choice(server):
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     r = client.completions.create(
-        model=MODEL_NAME, prompt="id:", max_tokens=20, seed=0, extra_body={"guided_regex": r"[0-9]{3}-(ab|cd)"}
+        model=MODEL_NAME,
+        prompt="id:",
+        max_tokens=20,
+        seed=0,
+        extra_body={"guided_regex": r"[0-9]{3}-(ab|cd)"},
     )
     assert r.choices[0].finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-(ab|cd)", r.choices[0].text)
     r = client.chat.completions.create(
@@ -210,7 +222,10 @@ def test_json_object_regex_choice(server):
     )
     assert r.choices[0].message.content in ("yes", "no way")
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, max_tokens=20, extra_body={"structured_outputs": {"regex": "[a-c]{4}"}}
+        model=MODEL_NAME,
+        messages=MSGS,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[a-c]{4}"}},
     )
     assert re.fullmatch("[a-c]{4}", r.choices[0].message.content)
 
@@ -249,7 +264,9 @@ def test_named_tool_choice(server):
     assert msg.tool_calls and msg.tool_calls[0].function.name == "get_weather"
     assert len(msg.tool_calls) == 1 and msg.tool_calls[0].id.startswith("call_")
     if r.choices[0].finish_reason == "tool_calls":
-        jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+        jsonschema.validate(
+            json.loads(msg.tool_calls[0].function.arguments), WEATHER["function"]["parameters"]
+        )
     # Streamed: the same call, sent as a name then argument fragments.
     content, calls, finish = _stream_tool_calls(client.chat.completions.create(stream=True, **kw))
     assert finish == r.choices[0].finish_reason and not content
@@ -262,7 +279,12 @@ def test_required_tool_choice_several_calls(server):
     client = server.client()
     for seed in range(6):
         kw = dict(
-            model=MODEL_NAME, messages=MSGS, tools=[WEATHER, ADD], tool_choice="required", max_tokens=200, seed=seed
+            model=MODEL_NAME,
+            messages=MSGS,
+            tools=[WEATHER, ADD],
+            tool_choice="required",
+            max_tokens=200,
+            seed=seed,
         )
         r = client.chat.completions.create(**kw)
         calls = r.choices[0].message.tool_calls
@@ -273,7 +295,9 @@ def test_required_tool_choice_several_calls(server):
         pytest.skip("no seed gave several complete calls")
     tools = {"get_weather": WEATHER, "add": ADD}
     for c in calls:
-        jsonschema.validate(json.loads(c.function.arguments), tools[c.function.name]["function"]["parameters"])
+        jsonschema.validate(
+            json.loads(c.function.arguments), tools[c.function.name]["function"]["parameters"]
+        )
     assert len({c.id for c in calls}) == len(calls)
     _, streamed, finish = _stream_tool_calls(client.chat.completions.create(stream=True, **kw))
     assert finish == "tool_calls"
@@ -284,7 +308,9 @@ def test_required_tool_choice_several_calls(server):
 
 def test_tool_choice_auto_and_none(server):
     client = server.client()
-    auto = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, tools=[WEATHER], max_tokens=10, seed=0)
+    auto = client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, tools=[WEATHER], max_tokens=10, seed=0
+    )
     none = client.chat.completions.create(
         model=MODEL_NAME, messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=10, seed=0
     )
@@ -312,9 +338,30 @@ def test_conversation_with_tool_results(server):
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
         {"role": "developer", "content": "Answer briefly."},
     ]
-    r = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=5)
+    r = server.client().chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=5
+    )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_pool_is_full_after_the_api_tests(server):
     assert_pool_full(server.wait_idle())
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a\\ud800b \\u0000 \\udfff"}], "max_tokens": 2}',
+        ),
+        ("/v1/completions", b'{"prompt": "lone \\ud83d surrogate", "max_tokens": 2}'),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "{{ raise_exception(\'x\') }}"}], "max_tokens": 2}',
+        ),
+    ],
+)
+def test_odd_text_is_served(server, path, raw):
+    status, _, body = server.request("POST", path, raw=raw)
+    assert status == 200, body

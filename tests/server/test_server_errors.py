@@ -30,7 +30,15 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("not-json", CHAT, b"{not json", 400, None),
     ("json-array", CHAT, b"[1, 2]", 400, None),
     ("empty-body", CHAT, b"", 400, None),
-    ("nan", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    ("deep-nesting", CHAT, b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("bad-utf8", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    (
+        "nan",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
     # model
     ("model-unknown", CHAT, chat(model="gpt-17"), 404, "model"),
     ("model-int", CHAT, chat(model=5), 400, "model"),
@@ -44,10 +52,44 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("role-function", CHAT, chat(messages=[{"role": "function", "content": "x", "name": "f"}]), 400, None),
     ("content-int", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, None),
     ("content-null-user", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, None),
-    ("content-image", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400, "messages.0.content"),
-    ("content-part-no-text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, None),
-    ("tool-calls-on-user", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}]), 400, None),
-    ("tool-call-bad-type", CHAT, chat(messages=[{"role": "assistant", "tool_calls": [{"type": "retrieval", "function": {"name": "f"}}]}]), 400, None),
+    (
+        "content-image",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages.0.content",
+    ),
+    (
+        "content-part-no-text",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        400,
+        None,
+    ),
+    (
+        "tool-calls-on-user",
+        CHAT,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [{"type": "function", "function": {"name": "f"}}],
+                }
+            ]
+        ),
+        400,
+        None,
+    ),
+    (
+        "tool-call-bad-type",
+        CHAT,
+        chat(
+            messages=[{"role": "assistant", "tool_calls": [{"type": "retrieval", "function": {"name": "f"}}]}]
+        ),
+        400,
+        None,
+    ),
     ("prompt-too-long", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400, "messages"),
     # max_tokens / max_completion_tokens
     ("max-tokens-string", CHAT, chat(max_tokens="10"), 400, "max_tokens"),
@@ -71,6 +113,8 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("top-k-float", CHAT, chat(top_k=1.5), 400, "top_k"),
     ("seed-string", CHAT, chat(seed="x"), 400, "seed"),
     ("seed-float", CHAT, chat(seed=1.5), 400, "seed"),
+    ("seed-huge", CHAT, chat(seed=2**70), 400, "seed"),
+    ("seed-very-negative", CHAT, chat(seed=-(2**64)), 400, "seed"),
     ("stop-int", CHAT, chat(stop=5), 400, "stop"),
     ("stop-list-int", CHAT, chat(stop=[1]), 400, None),
     ("stop-empty-string", CHAT, chat(stop=""), 400, "stop"),
@@ -89,7 +133,13 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     # streaming
     ("stream-string", CHAT, chat(stream="yes"), 400, "stream"),
     ("stream-int", CHAT, chat(stream=1), 400, "stream"),
-    ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (
+        "stream-options-without-stream",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
     ("stream-options-bad", CHAT, chat(stream=True, stream_options={"include_usage": "x"}), 400, None),
     ("stream-options-string", CHAT, chat(stream=True, stream_options="x"), 400, None),
     # logprobs
@@ -103,20 +153,58 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("tools-not-function", CHAT, chat(tools=[{"type": "retrieval"}]), 400, None),
     ("tools-no-function", CHAT, chat(tools=[{"type": "function"}]), 400, None),
     ("tools-no-name", CHAT, chat(tools=[{"type": "function", "function": {"parameters": {}}}]), 400, None),
-    ("tools-bad-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, None),
-    ("tools-params-string", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), 400, None),
-    ("tools-params-bad-schema", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]), 400, None),
+    (
+        "tools-bad-name",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+        400,
+        None,
+    ),
+    (
+        "tools-params-string",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+        400,
+        None,
+    ),
+    (
+        "tools-params-bad-schema",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
+        400,
+        None,
+    ),
     ("tools-duplicate", CHAT, chat(tools=[TOOL, TOOL]), 400, "tools"),
     ("tool-choice-unknown", CHAT, chat(tools=[TOOL], tool_choice="sometimes"), 400, None),
     ("tool-choice-int", CHAT, chat(tools=[TOOL], tool_choice=5), 400, None),
-    ("tool-choice-named-missing", CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    (
+        "tool-choice-named-missing",
+        CHAT,
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice",
+    ),
     ("tool-choice-required-no-tools", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
-    ("tool-choice-and-response-format", CHAT, chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), 400, None),
+    (
+        "tool-choice-and-response-format",
+        CHAT,
+        chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        400,
+        None,
+    ),
     # structured output
     ("response-format-unknown", CHAT, chat(response_format={"type": "xml"}), 400, None),
     ("response-format-string", CHAT, chat(response_format="json"), 400, None),
     ("response-format-no-schema", CHAT, chat(response_format={"type": "json_schema"}), 400, None),
-    ("response-format-bad-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}), 400, None),
+    (
+        "response-format-bad-schema",
+        CHAT,
+        chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+        ),
+        400,
+        None,
+    ),
     ("guided-regex-bad", CHAT, chat(guided_regex="(("), 400, "guided_regex"),
     ("guided-regex-int", CHAT, chat(guided_regex=5), 400, "guided_regex"),
     ("guided-grammar-bad", CHAT, chat(guided_grammar="root ::= "), 400, "guided_grammar"),
@@ -145,12 +233,20 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("comp-echo-logprobs", COMP, comp(echo=True, logprobs=1), 400, "echo"),
     ("comp-echo-string", COMP, comp(echo="yes"), 400, "echo"),
     ("comp-n-three", COMP, comp(n=3), 400, "n"),
-    ("comp-stream-options-without-stream", COMP, comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    (
+        "comp-stream-options-without-stream",
+        COMP,
+        comp(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
     ("comp-model-unknown", COMP, comp(model="nope"), 404, "model"),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_bad_request(server, path, body, status, param):
     raw = body if isinstance(body, bytes) else None
     got, headers, data = server.request("POST", path, body=None if raw is not None else body, raw=raw)
@@ -190,9 +286,15 @@ def test_server_unharmed_by_bad_requests(server):
 
 
 def test_api_key(tiny_model_dir):
-    with live_server(tiny_model_dir, api_key="sekret", max_concurrency=1, kv_capacity=512, max_context=256) as srv:
+    with live_server(
+        tiny_model_dir, api_key="sekret", max_concurrency=1, kv_capacity=512, max_context=256
+    ) as srv:
         body = chat()
-        for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        for headers in (
+            {"Authorization": ""},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "sekret"},
+        ):
             status, h, data = srv.request("POST", CHAT, body=body, headers=headers)
             assert status == 401, headers
             assert json.loads(data)["error"]["code"] == "invalid_api_key"
