@@ -109,10 +109,11 @@ def test_every_decode_row_is_row_invariant(oracle_llm) -> None:
         kv = [c.read_kv(a, ch.end) for a in range(pool.k.shape[0])]
         return [getattr(slots, n)[:, c.slot].clone() for n in STATE] + [t.clone() for pair in kv for t in pair]
 
-    checked = 0
+    checked, failures = 0, []
     execute = eng.runner.execute
 
     def probe(plan):
+        # NOTE: record, do not raise: the engine turns an exception in a step into failed requests.
         nonlocal checked
         if len(plan.decodes) >= 2:
             saved = [t.clone() for t in planes]
@@ -122,14 +123,18 @@ def test_every_decode_row_is_row_invariant(oracle_llm) -> None:
                 for t, s in zip(planes, saved, strict=True):
                     t.copy_(s)
                 alone = forward([ch])
-                assert torch.equal(alone[0], batched[r]), (r, len(plan.decodes))
+                if not torch.equal(alone[0], batched[r]):
+                    failures.append((checked, r, len(plan.decodes), "logits"))
                 for i, (a, b) in enumerate(zip(row_state(ch), after[r], strict=True)):
-                    assert torch.equal(a, b), (r, len(plan.decodes), (STATE + ("kv",) * 99)[i])
+                    if not torch.equal(a, b):
+                        failures.append((checked, r, len(plan.decodes), (STATE + ("kv",) * 99)[i]))
             for t, s in zip(planes, saved, strict=True):
                 t.copy_(s)
             checked += len(plan.decodes)
         return execute(plan)
 
     eng.runner.execute = probe
-    llm.generate([ids for ids, _ in reqs], [p for _, p in reqs])
-    assert checked >= 40
+    outs = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs])
+    assert all(o.error is None for o in outs)
+    assert checked >= 100
+    assert not failures, failures[:20]

@@ -8,8 +8,8 @@ import pytest
 from live_server import LiveServer, live_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(tiny_model_dir) -> Iterator[LiveServer]:
-    """The shared server: 4 slots, a 4096-token pool in 16-token pages, max_context 1024."""
+    """The server of a test module: 4 slots, a 4096-token pool in 16-token pages, max_context 1024."""
     with live_server(tiny_model_dir) as srv:
         yield srv

@@ -97,6 +97,7 @@ def assert_pool_full(stats: dict[str, int]) -> None:
 def live_server(
     model_dir, api_key: str | None = None, keepalive_s: float = 5.0, **flags
 ) -> Iterator[LiveServer]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine thread and the test client share two cores
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **(BASE_FLAGS | flags)))
     app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s)
@@ -123,3 +124,4 @@ def live_server(
         thread.join(15)
         engine.shutdown()
         sock.close()
+        torch.set_num_threads(threads)
