@@ -47,6 +47,7 @@ def oracle_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+MAX_ENGINE_STEPS = 5000
 ORACLE_ENGINE_FLAGS = dict(
     dtype="float32",
     device="cpu",
@@ -64,7 +65,19 @@ def oracle_llm(oracle_model_dir):
     from nextserve import LLM
 
     def make(**flags):
-        return LLM(str(oracle_model_dir), **(ORACLE_ENGINE_FLAGS | flags))
+        llm = LLM(str(oracle_model_dir), **(ORACLE_ENGINE_FLAGS | flags))
+        # NOTE: a request that can never be admitted (leaked pages) would make generate() spin
+        # forever; a step budget turns that hang into a failure.
+        step, steps = llm.engine.step, [0]
+
+        def bounded_step():
+            steps[0] += 1
+            if steps[0] > MAX_ENGINE_STEPS:
+                raise AssertionError(f"no end after {MAX_ENGINE_STEPS} engine steps: {llm.stats()}")
+            return step()
+
+        llm.engine.step = bounded_step
+        return llm
 
     return make
 

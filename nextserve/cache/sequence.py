@@ -49,9 +49,7 @@ class SequenceCache:
         # forward never runs out of pages halfway (C2). All or nothing: PoolExhausted changes nothing.
         """
         if self.pages_needed(tokens) > self.pool.num_free:
-            raise PoolExhausted(
-                f"asked for {self.pages_needed(tokens)} KV pages, {self.pool.num_free} free"
-            )
+            raise PoolExhausted(f"asked for {self.pages_needed(tokens)} KV pages, {self.pool.num_free} free")
         shared = self._shared_writable(tokens)
         if shared:
             self._own_pages(shared[0], shared[-1])

@@ -88,7 +88,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(
         page_blocks=st.integers(1, 2),
-        num_pages=st.integers(1, 12),
+        num_pages=st.integers(1, 16),
         num_slots=st.integers(1, 4),
     )
     def setup(self, page_blocks: int, num_pages: int, num_slots: int) -> None:
@@ -109,7 +109,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ---- rules ---------------------------------------------------------------------------------
     @precondition(lambda self: self.slots.num_free > 0)
-    @rule(tokens=st.integers(1, 40))
+    @rule(tokens=st.integers(1, 32))
     def admit(self, tokens: int) -> None:
         free_before = self.pool.num_free
         cache = SequenceCache(self.pool, self.slots)
@@ -276,7 +276,9 @@ class PoolMachine(RuleBasedStateMachine):
                 else:
                     assert (got == s.want.state).all(), name
         for image, want in self.images:
-            assert all((t == want.state).all() for n, t in image.state.items() if want.state or n != "ple_ctx")
+            assert all(
+                (t == want.state).all() for n, t in image.state.items() if want.state or n != "ple_ctx"
+            )
             owners.append(
                 (
                     lambda a, n, im=image: image_view(self.pool, im, a)[0][:n],
@@ -312,8 +314,8 @@ def test_pool_interleavings(oracle_config) -> None:
     PoolMachine.cfg = oracle_config
     runner = PoolMachine.TestCase
     runner.settings = settings(
-        max_examples=120,
-        stateful_step_count=40,
+        max_examples=200,
+        stateful_step_count=50,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )

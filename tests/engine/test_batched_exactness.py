@@ -82,7 +82,8 @@ def test_batched_equals_serial(oracle_llm, solo_run) -> None:
         )
         if not same:
             first = next(
-                (t for t, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=False)) if a != b), None
+                (t for t, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=False)) if a != b),
+                None,
             )
             mismatches.append((i, len(ids), params, first, out.token_ids, ref.token_ids))
     assert not mismatches, mismatches
@@ -95,7 +96,7 @@ def test_every_decode_row_is_row_invariant(oracle_llm) -> None:
     """White-box C1 check at every batched decode step: each row's logits, recurrent state and new KV
     bits equal what a one-row forward from the same state gives (a sharper probe than outputs:
     a one-ulp difference need not change a token)."""
-    reqs = workload(seed=7, n=12)
+    reqs = workload(seed=1)
     llm = oracle_llm(**TIGHT)
     eng, model, pool, slots = llm.engine, llm.engine.model, llm.engine.pool, llm.engine.slots
     planes = [pool.k, pool.v, pool.block_keys] + [getattr(slots, n) for n in STATE]
@@ -107,7 +108,9 @@ def test_every_decode_row_is_row_invariant(oracle_llm) -> None:
     def row_state(ch):
         c = ch.seq.cache
         kv = [c.read_kv(a, ch.end) for a in range(pool.k.shape[0])]
-        return [getattr(slots, n)[:, c.slot].clone() for n in STATE] + [t.clone() for pair in kv for t in pair]
+        return [getattr(slots, n)[:, c.slot].clone() for n in STATE] + [
+            t.clone() for pair in kv for t in pair
+        ]
 
     checked, failures = 0, []
     execute = eng.runner.execute

@@ -211,7 +211,9 @@ def test_abort_everything_at_every_stage(oracle_llm) -> None:
     llm = oracle_llm(kv_capacity=192, max_context=96, max_concurrency=3)
     eng = llm.engine
     ids = [
-        eng.add_request(prompt(rng.randint(1, 60), i), SamplingParams(max_tokens=rng.randint(1, 20), **GREEDY))
+        eng.add_request(
+            prompt(rng.randint(1, 60), i), SamplingParams(max_tokens=rng.randint(1, 20), **GREEDY)
+        )
         for i in range(10)
     ]
     for _ in range(30):
