@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from nextserve.config import GDN, ConfigError, ModelConfig
+from nextserve.model.ple import table_rows as ple_table_rows
 
 INDEX_FILE = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 1 << 30  # below ~1 GB a load takes seconds and a bar is noise
@@ -33,43 +34,9 @@ _PLE_TABLE = "ple.ple_embedding.ngram_embedding"
 _SHARD_RE = re.compile(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<idx>\d+)\.weight$")
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
 
+
 Shape = tuple[int, ...]
 Index = tuple[int | slice, ...]
-
-
-# ---- PLE table geometry (shared with make_model) ---------------------------------------------------------
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
-
-
-def ple_head_vocab_sizes(cfg: ModelConfig, ple_index: int) -> list[int]:
-    """Prime vocab size of each n-gram head of the ple_index-th PLE layer.
-
-    Global head g (over all PLE layers) gets the (g+1)-th prime >= ngram_vocab_size_base, so every head of
-    every layer hashes into a distinct prime modulus.
-    """
-    n_heads = cfg.ple_num_heads
-    first = ple_index * n_heads
-    primes: list[int] = []
-    candidate = cfg.ngram_vocab_size_base - 1
-    while len(primes) < first + n_heads:
-        candidate += 1
-        if _is_prime(candidate):
-            primes.append(candidate)
-    return primes[first:]
-
-
-def ple_table_rows(cfg: ModelConfig, ple_index: int) -> int:
-    """Rows of the ple_index-th PLE table: all heads' vocabularies, padded to the configured divisor."""
-    total = sum(ple_head_vocab_sizes(cfg, ple_index))
-    div = cfg.make_ngram_vocab_size_divisible_by
-    return math.ceil(total / div) * div
 
 
 # ---- expected runtime shapes -----------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from nextserve.model.loader import (
     INDEX_FILE,
     PROGRESS_MIN_BYTES,
     expected_shapes,
-    ple_head_vocab_sizes,
 )
+from nextserve.model.ple import head_vocab_sizes, multipliers
 from nextserve.model.tokenizer_build import ENDOFTEXT, IM_END, build_tokenizer, default_corpus
 
 TOKENIZER_CORPUS_CHARS = 400_000  # enough text for a few thousand merges; trains in well under a second
@@ -146,8 +146,6 @@ _VISION_CONFIG: dict[str, Any] = {
     "num_position_embeddings": 16,
 }
 
-_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
 
 Shape = tuple[int, ...]
 
@@ -257,23 +255,6 @@ def _const(name: str, value: torch.Tensor) -> _Tensor:
     return _Tensor(name, tuple(value.shape), value.dtype, lambda: value)
 
 
-def _splitmix64(value: int) -> int:
-    value = (value + _SPLITMIX_GAMMA) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
-
-
-def ple_layer_multipliers(cfg: ModelConfig, ple_index: int) -> list[int]:
-    """Odd per-position hash multipliers of one PLE layer, bounded so token*multiplier fits in int64."""
-    half_bound = max(1, ((1 << 63) - 1) // max(cfg.vocab_size, 1) // 2)
-    base_seed = cfg.seed + 10007 * ple_index
-    return [
-        2 * (_splitmix64((base_seed + _SPLITMIX_GAMMA * (i + 1)) & _MASK64) % half_bound) + 1
-        for i in range(cfg.ngram_size)
-    ]
-
-
 def _chunk_rows(rows: int, parts: int) -> list[int]:
     # torch.chunk's split, which transformers' save uses: ceil-sized chunks, possibly fewer than `parts`.
     size = math.ceil(rows / parts)
@@ -289,10 +270,13 @@ def _ple_tensors(
     for i, rows in enumerate(_chunk_rows(shape[0], cfg.split_ngram_parts)):
         # Each row shard has its own generator so a huge table never needs to exist in memory at once.
         yield _random(seed, f"{base}.shard_{i}.weight", (rows, shape[1]), dtype)
-    sizes = ple_head_vocab_sizes(cfg, ple_index)
+    sizes = head_vocab_sizes(cfg.ngram_vocab_size_base, ple_index, cfg.ple_num_heads)
     offsets = [sum(sizes[:h]) for h in range(len(sizes))]
     emb = key[: -len(".ngram_embedding.weight")]
-    yield _const(f"{emb}.layer_multipliers", torch.tensor(ple_layer_multipliers(cfg, ple_index)))
+    yield _const(
+        f"{emb}.layer_multipliers",
+        torch.tensor(multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)),
+    )
     yield _const(f"{emb}.ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
     yield _const(f"{emb}.ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
 

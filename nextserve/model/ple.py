@@ -48,6 +48,13 @@ def head_vocab_sizes(base: int, ple_index: int, n_heads: int) -> list[int]:
     return sizes[ple_index * n_heads :]
 
 
+def table_rows(cfg: ModelConfig, ple_index: int) -> int:
+    """Rows of one PLE table: all its heads' vocabularies, padded to the configured divisor."""
+    total = sum(head_vocab_sizes(cfg.ngram_vocab_size_base, ple_index, cfg.ple_num_heads))
+    div = cfg.make_ngram_vocab_size_divisible_by
+    return math.ceil(total / div) * div
+
+
 def ngram_contexts(history: torch.Tensor, n_new: int, ngram_size: int, eos: int) -> torch.Tensor:
     """history [N-1 + n_new] ids (the carried context, then the new tokens) -> c [n_new, N]:
     c[:, s] = token_{t-s}, or eos if t-s is before the start or an eos lies strictly between."""
@@ -68,8 +75,7 @@ class NGramEmbedding(nn.Module):
         n_heads = cfg.ple_num_heads
         sizes = head_vocab_sizes(cfg.ngram_vocab_size_base, ple_index, n_heads)
         offsets = [sum(sizes[:i]) for i in range(n_heads)]
-        div = cfg.make_ngram_vocab_size_divisible_by
-        rows = math.ceil(sum(sizes) / div) * div
+        rows = table_rows(cfg, ple_index)
         # NOTE: recomputed from the config, never loaded: the checkpoint's copies are ignored.
         mult = multipliers(cfg.vocab_size, self.N, ple_index, cfg.seed)
         self.register_buffer("mult", torch.tensor(mult, dtype=torch.long), persistent=False)
