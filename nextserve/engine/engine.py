@@ -13,7 +13,8 @@ from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
-from ..runtime.runner import ModelRunner, Sampled
+from ..runtime.runner import ChunkResult, ModelRunner
+from .detokenizer import Detokenizer
 from .outputs import RequestOutput
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler
@@ -119,7 +120,14 @@ class LLMEngine:
             params.seed if params.seed is not None else self._rng.getrandbits(63)
         )
         seq = Sequence(
-            request_id, ids, params, self.max_context, prompt_text=text, generator=gen, constraint=constraint
+            request_id,
+            ids,
+            params,
+            self.max_context,
+            prompt_text=text,
+            generator=gen,
+            constraint=constraint,
+            detokenizer=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
         )
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
@@ -136,23 +144,27 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return self.drain_finished([])
-        try:
-            sampled = self.runner.execute(plan)
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
-            log.exception("step failed")
-            touched = [c.seq for c in plan.prefills + plan.decodes]
-            for seq in touched:
-                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            return self.drain_finished(touched)
-        self.update(plan, sampled)
+        results = self.runner.execute(plan)
+        self.update(results)
         return self.drain_finished([c.seq for c in plan.prefills + plan.decodes])
 
-    def update(self, plan, sampled: list[Sampled]) -> None:
-        for ch in plan.prefills + plan.decodes:
-            ch.seq.num_computed = ch.end
-            ch.seq.cache.length = ch.end
-        for s in sampled:
-            self._append(s.seq, s.token, s.logprob)
+    def update(self, results: list[ChunkResult]) -> None:
+        """Commit what each chunk computed. An error ends that chunk's request only (C2)."""
+        for r in results:
+            seq = r.chunk.seq
+            if seq.finished:
+                continue
+            if r.error is not None:
+                self.scheduler.finish(seq, "error", r.error)
+                continue
+            seq.num_computed = seq.cache.length = r.chunk.end
+            if r.token is None:
+                continue
+            try:
+                self._append(seq, r.token, r.logprob)
+            except Exception as exc:  # noqa: BLE001 - e.g. a grammar that fails to accept
+                log.exception("update of %s failed", seq.request_id)
+                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
         seq.output_ids.append(token)
@@ -163,7 +175,8 @@ class LLMEngine:
         stopped = token in p.stop_token_ids or (token == eos and not p.ignore_eos)
         if seq.constraint is not None:
             seq.constraint.accept(token)
-        self._detokenize(seq, drop_last=stopped)
+        if seq.detokenizer is not None and not stopped:
+            seq.text = seq.detokenizer.add(token)
         if stopped or (seq.constraint is not None and seq.constraint.is_terminated()):
             self.scheduler.finish(seq, "stop")
         elif p.stop and any(s in seq.text for s in p.stop):
@@ -174,14 +187,6 @@ class LLMEngine:
             p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens
         ) or seq.num_tokens >= seq.max_context:
             self.scheduler.finish(seq, "length")
-
-    def _detokenize(self, seq: Sequence, drop_last: bool) -> None:
-        if self.tokenizer is None:
-            return
-        ids = seq.output_ids[:-1] if drop_last else seq.output_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        # NOTE: a trailing U+FFFD is an unfinished multi-byte character; wait for its other bytes.
-        seq.text = text.rstrip("\ufffd") if not drop_last else text
 
     def drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
         outs = [self.output(s) for s in dict.fromkeys(touched)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.sequence import SequenceCache
+from .detokenizer import Detokenizer
 from .sampling import SamplingParams, TokenConstraint, TokenLogprob
 
 
@@ -35,6 +36,7 @@ class Sequence:
     generator: torch.Generator | None = None
     text: str = ""
     constraint: TokenConstraint | None = None
+    detokenizer: Detokenizer | None = None
 
     @property
     def all_ids(self) -> list[int]:

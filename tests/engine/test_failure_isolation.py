@@ -3,8 +3,6 @@ step finish exactly as they would alone, and every page and slot comes back."""
 
 from __future__ import annotations
 
-import pytest
-
 from nextserve import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -31,20 +29,10 @@ class FailingConstraint:
         return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.step fails every request of a step when one row's sampling raises "
-    "(runner.execute samples all rows inside one try); fix in runtime/runner.py or engine/engine.py",
-)
 def test_sampling_error_fails_only_its_request(oracle_llm, solo_run) -> None:
     _check_isolation(oracle_llm, solo_run, "allowed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an exception in engine.update (_append -> constraint.accept) escapes engine.step, after "
-    "num_computed advanced for all rows and before the later rows got their tokens; its pages stay held",
-)
 def test_update_error_fails_only_its_request(oracle_llm, solo_run) -> None:
     _check_isolation(oracle_llm, solo_run, "accept")
 
