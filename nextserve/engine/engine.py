@@ -30,9 +30,11 @@ def load_tokenizer(model_dir: str | Path):
         and not (Path(model_dir) / "tokenizer_config.json").is_file()
     ):
         return None
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    # NOTE: not AutoTokenizer: it also parses config.json, and transformers releases disagree on
+    # qwen4_exp layer-type names (5.17 rejects a 5.23 config), which must not stop a tokenizer load.
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int:
