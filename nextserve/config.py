@@ -266,6 +266,8 @@ class EngineConfig:
     memory_headroom_mib: int = 2048
     cpu_kv_budget_mib: int = 1024
     seed: int = 0
+    prefix_cache_images: int = 0  # grid images kept for prefix reuse (0: off)
+    prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -279,6 +281,9 @@ class EngineConfig:
             raise ConfigError(f"kv_capacity must be a positive integer or 'auto', got {self.kv_capacity!r}")
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context <= 0):
             raise ConfigError(f"max_context must be a positive integer, got {self.max_context!r}")
+        for name in ("prefix_cache_images", "prefix_anchor_chunks", "seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
             raise ConfigError("memory_headroom_mib must be >= 0 and cpu_kv_budget_mib > 0")
 

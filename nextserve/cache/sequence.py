@@ -21,6 +21,13 @@ class SequenceImage:
     released: bool = False
 
 
+def release_image(pool: KVPool, image: SequenceImage) -> None:
+    """Drop an image's page references (once; a second call does nothing)."""
+    if not image.released:
+        pool.release(image.pages)
+        image.released = True
+
+
 class SequenceCache:
     def __init__(self, pool: KVPool, slots: StateSlots) -> None:
         self.pool, self.slots = pool, slots
@@ -90,9 +97,7 @@ class SequenceCache:
         self.length = image.length
 
     def release_image(self, image: SequenceImage) -> None:
-        if not image.released:
-            self.pool.release(image.pages)
-            image.released = True
+        release_image(self.pool, image)
 
     # ---- SeqCache ------------------------------------------------------------------------------
     def gdn_state(self, gdn_index: int):

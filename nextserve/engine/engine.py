@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..cache.kv_pool import KVPool
+from ..cache.kv_pool import KVPool, PoolExhausted
+from ..cache.prefix import PrefixCache
 from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
@@ -64,7 +65,14 @@ class LLMEngine:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
         num_pages = -(-capacity // config.page_size)
         self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
-        self.scheduler = Scheduler(self.pool, self.slots, config.prefill_chunk, config.max_pending)
+        self.prefix = (
+            PrefixCache(self.pool, config.prefill_chunk, config.prefix_cache_images)
+            if config.prefix_cache_images > 0
+            else None
+        )
+        self.scheduler = Scheduler(
+            self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix
+        )
         self.runner = ModelRunner(self.model, self.device)
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
@@ -104,7 +112,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         constraint: TokenConstraint | None = None,
+        checkpoints: tuple[int, ...] = (),
     ) -> str:
+        """Queue a request. `checkpoints`: prompt positions (e.g. where the last message starts) to
+        keep a prefix image at, on the last grid boundary at or before each (message checkpoints)."""
         ids, text = self.encode(prompt)
         V = self.model_config.vocab_size
         if not ids:
@@ -130,10 +141,41 @@ class LLMEngine:
             generator=gen,
             constraint=constraint,
             detokenizer=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            image_points=self._image_points(len(ids), checkpoints),
         )
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
         return request_id
+
+    def _image_points(self, prompt_len: int, checkpoints: tuple[int, ...]) -> frozenset[int]:
+        """Grid positions of this prompt to keep images at: its last boundary, the boundary at or
+        before each checkpoint, and every prefix_anchor_chunks chunks."""
+        if self.prefix is None:
+            return frozenset()
+        C = self.config.prefill_chunk
+        # NOTE: also the last boundary strictly inside the prompt, so that the very same prompt sent
+        # again (which must recompute at least its last token) resumes too.
+        points = {prompt_len // C * C, (prompt_len - 1) // C * C}
+        points |= {min(p, prompt_len) // C * C for p in checkpoints}
+        if self.config.prefix_anchor_chunks:
+            points |= set(
+                range(
+                    C * self.config.prefix_anchor_chunks, prompt_len + 1, C * self.config.prefix_anchor_chunks
+                )
+            )
+        return frozenset(p for p in points if p > 0)
+
+    def _keep_image(self, seq: Sequence) -> None:
+        """Snapshot a prefill that just ended on one of its image points (never a decoded state:
+        a cold prefill computes those tokens differently, C1)."""
+        tokens = seq.prompt_ids[: seq.num_computed]
+        if seq.num_computed not in seq.image_points or not self.prefix.wants(tokens):
+            return
+        try:
+            image = seq.cache.snapshot()
+        except PoolExhausted:
+            return  # an image is an optimisation; a full pool simply goes without
+        self.prefix.insert(tokens, image)
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.get(request_id)
@@ -160,6 +202,8 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error", r.error)
                 continue
             seq.num_computed = seq.cache.length = r.chunk.end
+            if self.prefix is not None and r.chunk.end <= len(seq.prompt_ids):
+                self._keep_image(seq)
             if r.token is None:
                 continue
             try:
@@ -215,8 +259,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def clear_prefix_cache(self) -> None:
+        """Drop every stored prefix image (their pages return to the pool unless a sequence uses them)."""
+        if self.prefix is not None:
+            self.prefix.clear()
+
     def stats(self) -> dict[str, int]:
         return {
+            "prefix_images": len(self.prefix) if self.prefix is not None else 0,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_total": self.pool.num_pages,
             "state_slots_free": self.slots.num_free,

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.kv_pool import KVPool
+from ..cache.prefix import PrefixCache
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
 from .sequence import Sequence, Status
@@ -35,8 +36,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, slots: StateSlots, prefill_chunk: int, max_pending: int) -> None:
-        self.pool, self.slots = pool, slots
+    def __init__(
+        self,
+        pool: KVPool,
+        slots: StateSlots,
+        prefill_chunk: int,
+        max_pending: int,
+        prefix: PrefixCache | None = None,
+    ) -> None:
+        self.pool, self.slots, self.prefix = pool, slots, prefix
         self.prefill_chunk, self.max_pending = prefill_chunk, max_pending
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -52,13 +60,29 @@ class Scheduler:
         # First come first served: a head that does not fit blocks the ones behind it.
         while self.waiting and self.slots.num_free > 0:
             seq = self.waiting[0]
-            if self.pool.pages_for(seq.token_budget()) > self.pool.num_free:
+            cache = self._cache_for(seq)
+            if cache is None:
                 break
             self.waiting.popleft()
-            seq.cache = SequenceCache(self.pool, self.slots)
-            seq.cache.reserve(seq.token_budget())
+            seq.cache = cache
+            seq.num_computed = seq.num_cached_prompt = cache.length
             seq.status = Status.RUNNING
             self.running.append(seq)
+
+    def _cache_for(self, seq: Sequence) -> SequenceCache | None:
+        """A cache holding every page seq may need, resumed from the longest stored prefix image;
+        None (nothing taken) when the pool cannot hold it even after dropping unused images."""
+        image = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
+        cache = SequenceCache(self.pool, self.slots)
+        if image is not None:
+            cache.restore(image)
+        budget = seq.token_budget()
+        while cache.pages_needed(budget) > self.pool.num_free:
+            if self.prefix is None or not self.prefix.evict_one(keep=image):
+                cache.free()
+                return None
+        cache.reserve(budget)
+        return cache
 
     def schedule(self) -> StepPlan:
         self._admit()

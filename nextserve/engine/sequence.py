@@ -37,6 +37,7 @@ class Sequence:
     text: str = ""
     constraint: TokenConstraint | None = None
     detokenizer: Detokenizer | None = None
+    image_points: frozenset[int] = frozenset()  # prompt positions to keep prefix images at
 
     @property
     def all_ids(self) -> list[int]:
