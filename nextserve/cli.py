@@ -141,7 +141,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         config = engine_config_from_args(args)
     except (ConfigError, TypeError, ValueError) as exc:
         parser.error(str(exc))
-    from .server.api import serve
+    from .server.lifecycle import serve
 
     try:
         serve(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cpu_flags import CPU_FLAGS
 
 from nextserve.model.make_model import make_model
 
@@ -48,15 +49,7 @@ def oracle_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 MAX_ENGINE_STEPS = 5000
-ORACLE_ENGINE_FLAGS = dict(
-    dtype="float32",
-    device="cpu",
-    max_concurrency=4,
-    kv_capacity=512,
-    page_size=16,
-    prefill_chunk=16,
-    max_context=256,
-)
+ORACLE_ENGINE_FLAGS = CPU_FLAGS | dict(kv_capacity=512, prefill_chunk=16, max_context=256)
 
 
 @pytest.fixture(scope="session")

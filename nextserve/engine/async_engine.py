@@ -1,4 +1,11 @@
-"""AsyncEngine: the engine's step loop on its own thread, with an async stream of outputs per request."""
+"""AsyncEngine: the engine's step loop on its own thread, with an async stream of outputs per request.
+
+Only the engine thread changes the engine. Callers hand it adds and aborts through an inbox that it
+drains between steps, so `add_request` and `abort` never wait for a step: `add_request` makes the checks
+that need no engine state at once (raising ValueError / QueueFull / RuntimeError to its caller) and
+returns the request's queue; a failure found later on the engine thread arrives on that queue as a
+finished output with finish_reason "error".
+"""
 
 from __future__ import annotations
 
@@ -11,8 +18,12 @@ from ..config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling import SamplingParams
+from .scheduler import QueueFull
+from .validate import check_prompt
 
 log = logging.getLogger("nextserve.async_engine")
+
+_ADD, _ABORT = "add", "abort"
 
 
 class AsyncEngine:
@@ -20,60 +31,111 @@ class AsyncEngine:
         self.engine = engine if engine is not None else LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
-        # NOTE: one lock guards the engine: the step loop holds it for a step, request calls for a
-        # moment, so adds and aborts land between steps and never inside one.
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        # NOTE: two locks. The engine thread holds _step_lock while it changes the engine (a step, or
+        # applying the inbox); stats() takes it for a consistent view. _mu guards the inbox, the streams
+        # and the flags, and is only ever held for a moment.
+        self._step_lock = threading.Lock()
+        self._mu = threading.Condition()
+        self._inbox: list[tuple[str, str, tuple | None]] = []
+        self._pending_adds = 0  # adds sent but not yet applied: they count as waiting
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self._abort_all = False
         self._thread = threading.Thread(target=self._loop, name="nextserve-engine", daemon=True)
         self._thread.start()
 
     # ---- the step loop (engine thread) ---------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._stopping and not self.engine.has_unfinished():
-                    self._wake.wait()
-                if self._stopping and not self.engine.has_unfinished():
+            with self._mu:
+                while not (self._inbox or self._stopping or self.engine.has_unfinished()):
+                    self._mu.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping, abort_all = self._stopping, self._abort_all
+            if inbox or abort_all:
+                with self._step_lock:
+                    outputs = self._apply(inbox, abort_all)
+                self._deliver(outputs)
+            if not self.engine.has_unfinished():
+                if stopping:
                     return
+                continue
+            with self._step_lock:
                 try:
                     outputs = self.engine.step()
                 except Exception:  # noqa: BLE001 - keep serving; the step already failed its requests
                     log.exception("engine step raised")
                     outputs = []
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is None:
-            return
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-        except RuntimeError:  # the client's loop is gone
-            pass
-        if out.finished:
-            self._streams.pop(out.request_id, None)
+    def _apply(self, inbox: list[tuple[str, str, tuple | None]], abort_all: bool) -> list[RequestOutput]:
+        """Applies adds and aborts in the order they were sent. An aborted request's pages and slot are
+        free before its last output is delivered."""
+        failed: list[RequestOutput] = []
+        for kind, rid, payload in inbox:
+            if kind == _ABORT:
+                self.engine.abort(rid)
+                continue
+            ids, text, params, constraint, checkpoints = payload
+            try:
+                self.engine.add_request(ids, params, rid, constraint, checkpoints)
+                # NOTE: the prompt was tokenized on the caller's thread; keep its text for the output.
+                self.engine.sequences[rid].prompt_text = text
+            except Exception as exc:  # noqa: BLE001 - a refused request fails alone
+                error = f"{type(exc).__name__}: {exc}"
+                failed.append(
+                    RequestOutput(rid, text, ids, finish_reason="error", finished=True, error=error)
+                )
+            finally:
+                with self._mu:
+                    self._pending_adds -= 1
+        if abort_all:
+            for rid in list(self.engine.sequences):
+                self.engine.abort(rid)
+        return failed + self.engine.drain_finished([])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._mu:
+                rid = out.request_id
+                target = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
+            if target is None:
+                continue
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the client's loop is gone
+                pass
 
     # ---- requests (any thread / event loop) ----------------------------------------------------
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, constraint=None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        constraint=None,
+        checkpoints: tuple[int, ...] = (),
     ) -> asyncio.Queue:
-        """Admits the request to the queue (raises ValueError / QueueFull at once) and returns the
-        queue its outputs arrive on. Must be called from the event loop that will read them."""
+        """Sends the request to the engine thread and returns the queue its outputs arrive on; raises
+        ValueError / QueueFull / RuntimeError (shutting down) at once. Call it from the event loop that
+        will read the queue."""
+        if self._stopping:
+            raise RuntimeError("the engine is shutting down")
+        ids, text = check_prompt(self.engine, prompt)
         queue: asyncio.Queue = asyncio.Queue()
-        with self._wake:
-            if self._stopping:
+        loop = asyncio.get_running_loop()
+        with self._mu:
+            if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is shutting down")
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            try:
-                self.engine.add_request(prompt, params, request_id, constraint)
-            except Exception:
-                self._streams.pop(request_id, None)
-                raise
-            self._wake.notify()
+            if request_id in self._streams or request_id in self.engine.sequences:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            waiting, limit = len(self.engine.scheduler.waiting) + self._pending_adds, self.config.max_pending
+            if waiting >= limit:
+                raise QueueFull(f"{waiting} requests already wait (--max-pending {limit})")
+            self._streams[request_id] = (loop, queue)
+            self._inbox.append((_ADD, request_id, (ids, text, params, constraint, checkpoints)))
+            self._pending_adds += 1
+            self._mu.notify()
         return queue
 
     async def generate(
@@ -92,24 +154,29 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._wake:
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
-            # NOTE: step() forgets finished sequences; run a drain now so the slot and pages are
-            # back before abort returns, not at the next step.
-            self.engine.drain_finished([])
+        """Ends the request between steps; returns at once. Its pages and slot are free before its stream
+        gets its last output (finish_reason "abort")."""
+        with self._mu:
+            if request_id not in self._streams:
+                return  # finished already, or never added
+            self._inbox.append((_ABORT, request_id, None))
+            self._mu.notify()
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return self.engine.stats()
+        with self._step_lock, self._mu:
+            s = self.engine.stats()
+            s["waiting"] += self._pending_adds
+            return s
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and takes requests; False once shutdown has begun."""
+        return self._thread.is_alive() and not self._stopping
 
     def shutdown(self, abort_running: bool = True, timeout: float = 30.0) -> None:
-        with self._wake:
+        """Takes no more requests; aborts the running ones (or lets them finish) and waits up to
+        `timeout` seconds for the engine thread to end."""
+        with self._mu:
             self._stopping = True
-            if abort_running:
-                for rid in list(self.engine.sequences):
-                    self.engine.abort(rid)
-                for out in self.engine.drain_finished([]):
-                    self._deliver(out)
-            self._wake.notify_all()
+            self._abort_all = self._abort_all or abort_running
+            self._mu.notify_all()
         self._thread.join(timeout)

@@ -20,6 +20,7 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .validate import check_prompt
 
 log = logging.getLogger("nextserve.engine")
 
@@ -116,14 +117,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `checkpoints`: prompt positions (e.g. where the last message starts) to
         keep a prefix image at, on the last grid boundary at or before each (message checkpoints)."""
-        ids, text = self.encode(prompt)
-        V = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(t < 0 or t >= V for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {V})")
-        if len(ids) >= self.max_context:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_context is {self.max_context}")
+        ids, text = check_prompt(self, prompt)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

@@ -82,6 +82,20 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> str:
     return text
 
 
+def last_message_start(tokenizer: Any, req: ChatCompletionRequest, ids: list[int]) -> int | None:
+    """Token position where the conversation's last message begins in `ids`, when the earlier turns
+    render to a token prefix of it: a message checkpoint, so a client that rewrites its last message
+    resumes from the turns before it (DESIGN.md section 2)."""
+    if len(req.messages) < 2:
+        return None
+    head = req.model_copy(update={"messages": req.messages[:-1], "add_generation_prompt": False})
+    try:
+        prefix = tokenizer.encode(render_chat(tokenizer, head), add_special_tokens=False)
+    except ValueError:
+        return None
+    return len(prefix) if 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix else None
+
+
 # ---- tool-call parsing -------------------------------------------------------------------------------
 
 

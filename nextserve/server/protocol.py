@@ -223,8 +223,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    # NOTE: cross-field checks (tool_choice against tools, top_logprobs against logprobs) are in api.py,
-    # where the error can name its field.
+    # NOTE: cross-field checks (tool_choice against tools, top_logprobs against logprobs) are in
+    # checks.py, where the error can name its field.
 
 
 # ---- completions ---------------------------------------------------------------------------------------
@@ -294,13 +294,20 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class _Answer(BaseModel):
+    """The envelope both endpoints answer in; each names its object and its choices."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[ChatChoice]
+    choices: list[Any]
     usage: Usage
+
+
+class ChatCompletionResponse(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class CompletionLogprobs(BaseModel):
@@ -317,13 +324,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
 
 
 class ModelCard(BaseModel):

@@ -15,24 +15,16 @@ from typing import Any
 
 import torch
 import uvicorn
+from cpu_flags import CPU_FLAGS
 
 from nextserve.config import EngineConfig
 from nextserve.engine.async_engine import AsyncEngine
-from nextserve.server.api import build_app
+from nextserve.server.app import build_app
 
 MODEL_NAME = "tiny-test"
 
 # Small pools so waiting (for slots and for pages) is exercised.
-BASE_FLAGS = dict(
-    dtype="float32",
-    device="cpu",
-    max_concurrency=4,
-    kv_capacity=4096,
-    page_size=16,
-    prefill_chunk=64,
-    max_context=1024,
-    max_pending=64,
-)
+BASE_FLAGS = CPU_FLAGS | dict(kv_capacity=4096, prefill_chunk=64, max_context=1024, max_pending=64)
 
 
 @dataclass

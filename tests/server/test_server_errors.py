@@ -12,6 +12,7 @@ CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+USAGE = {"include_usage": True}  # stream_options
 
 
 def chat(**fields):
@@ -133,13 +134,7 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     # streaming
     ("stream-string", CHAT, chat(stream="yes"), 400, "stream"),
     ("stream-int", CHAT, chat(stream=1), 400, "stream"),
-    (
-        "stream-options-without-stream",
-        CHAT,
-        chat(stream_options={"include_usage": True}),
-        400,
-        "stream_options",
-    ),
+    ("stream-options-without-stream", CHAT, chat(stream_options=USAGE), 400, "stream_options"),
     ("stream-options-bad", CHAT, chat(stream=True, stream_options={"include_usage": "x"}), 400, None),
     ("stream-options-string", CHAT, chat(stream=True, stream_options="x"), 400, None),
     # logprobs
@@ -233,13 +228,7 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("comp-echo-logprobs", COMP, comp(echo=True, logprobs=1), 400, "echo"),
     ("comp-echo-string", COMP, comp(echo="yes"), 400, "echo"),
     ("comp-n-three", COMP, comp(n=3), 400, "n"),
-    (
-        "comp-stream-options-without-stream",
-        COMP,
-        comp(stream_options={"include_usage": True}),
-        400,
-        "stream_options",
-    ),
+    ("comp-stream-options-without-stream", COMP, comp(stream_options=USAGE), 400, "stream_options"),
     ("comp-model-unknown", COMP, comp(model="nope"), 404, "model"),
 ]
 

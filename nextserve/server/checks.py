@@ -1,0 +1,94 @@
+"""The checks a request passes before the engine sees it (the ones pydantic cannot make: fields against
+each other, against the model and its limits), and its SamplingParams."""
+
+from __future__ import annotations
+
+from ..engine.sampling import SamplingParams
+from . import protocol as P
+from .errors import APIError, bad
+from .state import ServerState
+
+
+def check_model(srv: ServerState, model: str | None) -> None:
+    if model is not None and model not in (srv.name, srv.model_path):
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def check_common(srv: ServerState, req: P._SamplingFields) -> None:
+    check_model(srv, req.model)
+    if req.n not in (None, 1):
+        raise bad("only n=1 is supported: send one request per choice", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad(f"{name} is not supported by this server; leave it unset or 0", param=name)
+    if req.logit_bias:
+        raise bad("logit_bias is not supported by this server", param="logit_bias")
+    for t in req.stop_token_ids or []:
+        if t >= srv.vocab_size:
+            raise bad(f"stop_token_ids must be below the vocabulary size {srv.vocab_size}", "stop_token_ids")
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def check_chat(req: P.ChatCompletionRequest) -> None:
+    if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+        raise bad("top_logprobs needs logprobs set to true", param="top_logprobs")
+    names = [t.function.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        raise bad("tools must have distinct function names", param="tools")
+    tc = req.tool_choice
+    if tc is not None and tc not in ("none", "auto") and not req.tools:
+        raise bad("tool_choice other than none/auto needs tools", param="tool_choice")
+    if isinstance(tc, P.NamedToolChoice) and tc.function.name not in names:
+        raise bad(
+            f"tool_choice names {tc.function.name!r}, which is not among the tools", param="tool_choice"
+        )
+
+
+def check_completion(req: P.CompletionRequest) -> None:
+    if req.best_of not in (None, 1):
+        raise bad("only best_of=1 is supported", param="best_of")
+    if req.suffix:
+        raise bad("suffix is not supported by this model", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise bad("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+
+
+def check_length(srv: ServerState, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
+    if n_prompt == 0:
+        raise bad("the prompt is empty", param=prompt_param)
+    if n_prompt >= srv.max_context:
+        raise bad(
+            f"This model's maximum context length is {srv.max_context} tokens. However, your prompt has "
+            f"{n_prompt} tokens, which leaves no room for a completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and n_prompt + max_tokens > srv.max_context:
+        raise bad(
+            f"This model's maximum context length is {srv.max_context} tokens. However, you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
+            "Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def sampling_params(
+    srv: ServerState, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    d = srv.defaults
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
+            top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
+            top_k=req.top_k if req.top_k is not None else d.get("top_k", -1),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise bad(str(exc)) from None

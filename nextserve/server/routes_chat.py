@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions: the chat template, tool calls (whole or as streamed deltas), logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..engine.outputs import RequestOutput
+from . import protocol as P
+from .chat import (
+    CallArgs,
+    CallStart,
+    ContentDelta,
+    Event,
+    ToolCallParser,
+    last_message_start,
+    parse_tool_calls,
+    render_chat,
+)
+from .checks import check_chat, check_common, check_length, sampling_params
+from .constraints import output_constraint
+from .errors import bad
+from .generation import Generation, finite
+from .state import ServerState
+from .streaming import TextStream
+
+
+async def chat_completions(srv: ServerState, req: P.ChatCompletionRequest, request: Request) -> Response:
+    check_common(srv, req)
+    check_chat(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    tool_mode = bool(req.tools) and req.tool_choice != "none"
+
+    def prepare() -> tuple[list[int], int | None]:
+        ids = srv.encode(render_chat(srv.tokenizer, req))
+        return ids, last_message_start(srv.tokenizer, req, ids)
+
+    try:
+        ids, checkpoint = await asyncio.to_thread(prepare)
+    except ValueError as exc:
+        raise bad(str(exc), param="messages") from None
+    check_length(srv, len(ids), max_tokens, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(srv, req, max_tokens, logprobs)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_mode else None
+    constraint = await output_constraint(srv, req, tools, req.tool_choice)
+    checkpoints = (checkpoint,) if checkpoint is not None else ()
+    gen = Generation(srv, request, "chat", req, ids, params, constraint, checkpoints)
+    if req.stream:
+        return gen.stream(_ChatStream(gen, req, tool_mode))
+
+    def choice(out: RequestOutput) -> dict[str, Any]:
+        content: str | None = out.text
+        calls = []
+        if tool_mode:
+            parsed = parse_tool_calls(out.text)
+            content = parsed.content
+            calls = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.calls
+            ]
+        finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        lps = {"content": _logprobs(srv, out, 0, gen.visible_count(out))} if req.logprobs else None
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "logprobs": lps,
+            "finish_reason": finish,
+        }
+
+    return await gen.respond(request, choice)
+
+
+def _logprobs(srv: ServerState, out: RequestOutput, start: int, end: int) -> list[dict[str, Any]]:
+    items = []
+    for lp in (out.logprobs or [])[start:end]:
+        tok, raw = srv.token_info(lp.token_id)
+        top = []
+        for tid, v in lp.top:
+            t, b = srv.token_info(tid)
+            top.append({"token": t, "logprob": finite(v), "bytes": b})
+        items.append({"token": tok, "logprob": finite(lp.logprob), "bytes": raw, "top_logprobs": top})
+    return items
+
+
+def _event_delta(ev: Event) -> dict[str, Any]:
+    if isinstance(ev, ContentDelta):
+        return {"content": ev.text}
+    if isinstance(ev, CallStart):
+        call = {
+            "index": ev.index,
+            "id": ev.id,
+            "type": "function",
+            "function": {"name": ev.name, "arguments": ""},
+        }
+        return {"tool_calls": [call]}
+    assert isinstance(ev, CallArgs)
+    return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
+
+
+class _ChatStream:
+    """The chunks of a streamed chat answer: the role, content and tool-call deltas, then the finish."""
+
+    def __init__(self, gen: Generation, req: P.ChatCompletionRequest, tool_mode: bool) -> None:
+        self.gen, self.want_logprobs = gen, req.logprobs
+        self.parser = ToolCallParser() if tool_mode else None
+        self.texts = TextStream(gen.params.stop)
+        self.lp_sent = 0
+        self.pending: list[dict[str, Any]] = []  # logprobs not sent yet
+
+    def _chunk(self, delta: dict[str, Any], out: RequestOutput | None, finish: str | None = None) -> str:
+        lps, self.pending = (self.pending or None), []
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": {"content": lps} if lps is not None else None,
+            "finish_reason": finish,
+        }
+        return self.gen.chunk(choice, out)
+
+    def prelude(self) -> Iterator[str]:
+        yield self._chunk({"role": "assistant", "content": ""}, None)
+
+    def chunks(self, out: RequestOutput) -> Iterator[str]:
+        if self.want_logprobs:
+            visible = self.gen.visible_count(out)
+            self.pending += _logprobs(self.gen.srv, out, self.lp_sent, visible)
+            self.lp_sent = max(self.lp_sent, visible)
+        delta = self.texts.delta(out.text, out.finished)
+        if self.parser is not None:
+            events = self.parser.feed(delta) + (self.parser.finish() if out.finished else [])
+        else:
+            events = [ContentDelta(delta)] if delta else []
+        for ev in events:
+            yield self._chunk(_event_delta(ev), out)
+
+    def final(self, out: RequestOutput) -> str:
+        called = self.parser is not None and self.parser.calls
+        finish = "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+        return self._chunk({}, out, finish)

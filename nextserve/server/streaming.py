@@ -1,0 +1,87 @@
+"""Server-sent events: the response that aborts on disconnect, `data:` framing, keep-alive comments, reading a
+request's output queue, and text deltas that hold back what a stop string may still cut off."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+
+from ..engine.outputs import RequestOutput
+
+DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keep-alive\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that notices a client disconnect at once (not at its next write) and then
+    aborts the request: the engine frees its pages and slot before the next step."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], request_id: str) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def outputs(queue: asyncio.Queue, keepalive_s: float | None) -> AsyncIterator[RequestOutput | None]:
+    """The request's outputs (newest only, when several are waiting); None after keepalive_s of quiet."""
+    while True:
+        try:
+            out = await asyncio.wait_for(queue.get(), keepalive_s) if keepalive_s else await queue.get()
+        except TimeoutError:
+            yield None
+            continue
+        while not out.finished and not queue.empty():
+            out = queue.get_nowait()  # outputs are cumulative: the newest carries everything
+        yield out
+        if out.finished:
+            return
+
+
+class TextStream:
+    """Text deltas from cumulative text, holding back what a stop string may still cut off."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = ""
+
+    def delta(self, text: str, finished: bool) -> str:
+        if not text.startswith(self.sent):
+            # NOTE: detokenization changed text already sent (it should not); send only what is new.
+            return ""
+        upto = len(text) if finished else max(len(self.sent), len(text) - self.holdback)
+        new = text[len(self.sent) : upto]
+        self.sent += new
+        return new
