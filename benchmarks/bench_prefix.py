@@ -66,7 +66,9 @@ def main() -> None:
         model = make_model(args.preset, Path(tmp) / "m", seed=0)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         system = torch.randint(10, vocab, (args.system_tokens,), generator=g).tolist()
-        messages = [torch.randint(10, vocab, (args.message_tokens,), generator=g).tolist() for _ in range(args.turns)]
+        messages = [
+            torch.randint(10, vocab, (args.message_tokens,), generator=g).tolist() for _ in range(args.turns)
+        ]
         flags = dict(device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, page_size=16,
                      max_concurrency=2, kv_capacity=8192, max_context=4096)  # fmt: skip
         results = {}

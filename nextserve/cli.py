@@ -12,11 +12,12 @@ import sys
 import typing
 from collections.abc import Callable
 
-from .config import ConfigError, EngineConfig
+from .config import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ConfigError, EngineConfig
 
 # Help for engine flags; a field missing here still gets a flag, with a generic help line.
 ENGINE_FLAG_HELP: dict[str, str] = {
-    "model": "model directory (Hugging Face layout: config.json, *.safetensors, tokenizer)",
+    "model": "model directory (Hugging Face layout: config.json, *.safetensors, tokenizer); "
+    "default: the small Flash-Next embedded in the package",
     "dtype": "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32",
     "device": "auto, cpu, cuda or cuda:N",
     "prefill_chunk": "prompt tokens per prefill step; prefix-cache snapshots lie on this grid",
@@ -129,10 +130,6 @@ def _serve_parser(sub) -> None:
 
 
 def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if getattr(args, "model", None) is None:
-        parser.error(
-            "serve needs --model DIR (a Hugging Face model directory); there is no default model yet"
-        )
     if args.port < 0 or args.port > 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.keepalive_interval <= 0 or args.shutdown_timeout < 0:
@@ -149,7 +146,8 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             host=args.host,
             port=args.port,
             api_key=args.api_key,
-            served_model_name=args.served_model_name,
+            served_model_name=args.served_model_name
+            or (DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else None),
             keepalive_s=args.keepalive_interval,
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,

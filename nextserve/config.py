@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -250,11 +251,16 @@ def kv_round_up(n: int, m: int) -> int:
     return int(math.ceil(n / m) * m)
 
 
+# The small Flash-Next that ships inside the package (tools/train_default_model.py trained it).
+DEFAULT_MODEL = str(files("nextserve") / "assets" / "default_model")
+DEFAULT_MODEL_NAME = "nextserve-default"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine mode; each field is a `nextserve serve` flag of the same name (C3)."""
 
-    model: str
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto: cuda when available
     prefill_chunk: int = 1024

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from .config import EngineConfig
+from .config import DEFAULT_MODEL, EngineConfig
 from .engine.engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .engine.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **engine_flags) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_flags) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_flags))
         self.tokenizer = self.engine.tokenizer
 

@@ -21,7 +21,9 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_equals_alone_on_cuda(tiny_model_dir, dtype: str) -> None:
     """C1 on the GPU backend: tokens and logprobs of a batch equal each request run alone."""
-    flags = dict(device="cuda", dtype=dtype, prefill_chunk=32, page_size=16, kv_capacity=4096, max_context=1024)
+    flags = dict(
+        device="cuda", dtype=dtype, prefill_chunk=32, page_size=16, kv_capacity=4096, max_context=1024
+    )
     batched = LLM(tiny_model_dir, max_concurrency=8, **flags).generate(_prompts(), GREEDY)
     solo = LLM(tiny_model_dir, max_concurrency=1, **flags)
     for prompt, out in zip(_prompts(), batched, strict=True):
