@@ -140,6 +140,18 @@ def _step_until(eng, cond, max_steps: int = 500) -> None:
     raise AssertionError("condition never reached")
 
 
+def _abort_and_check_freed(llm, eng, seq, rid: str) -> dict:
+    """Aborts rid; its pages and its slot must be free when abort returns. Returns the stats after."""
+    pages = len(seq.cache.block_table)
+    before = llm.stats()
+    eng.abort(rid)
+    after = llm.stats()
+    assert after["kv_pages_free"] == before["kv_pages_free"] + pages
+    assert after["state_slots_free"] == before["state_slots_free"] + 1
+    assert after["running"] == before["running"] - 1
+    return after
+
+
 def test_abort_mid_prefill_frees_at_once(oracle_llm, solo_run) -> None:
     flags = dict(kv_capacity=256, max_context=128, max_concurrency=2)
     llm = oracle_llm(**flags)
@@ -151,13 +163,7 @@ def test_abort_mid_prefill_frees_at_once(oracle_llm, solo_run) -> None:
     seq = eng.sequences[victim]
     _step_until(eng, lambda: 16 <= seq.num_computed < 100)
     assert seq.in_prefill and seq.cache is not None
-    pages_victim = len(seq.cache.block_table)
-    before = llm.stats()
-    eng.abort(victim)
-    after = llm.stats()
-    assert after["kv_pages_free"] == before["kv_pages_free"] + pages_victim
-    assert after["state_slots_free"] == before["state_slots_free"] + 1
-    assert after["running"] == before["running"] - 1
+    _abort_and_check_freed(llm, eng, seq, victim)
     assert seq.cache is None and seq.finish_reason == "abort"
     done = drive(eng)
     assert done[victim].finish_reason == "abort" and done[victim].token_ids == []
@@ -174,12 +180,7 @@ def test_abort_mid_decode_frees_at_once(oracle_llm) -> None:
     seq = eng.sequences[victim]
     _step_until(eng, lambda: len(seq.output_ids) >= 3)
     assert not seq.in_prefill and not seq.finished
-    pages_victim = len(seq.cache.block_table)
-    before = llm.stats()
-    eng.abort(victim)
-    after = llm.stats()
-    assert after["kv_pages_free"] == before["kv_pages_free"] + pages_victim
-    assert after["state_slots_free"] == before["state_slots_free"] + 1
+    after = _abort_and_check_freed(llm, eng, seq, victim)
     eng.abort(victim)  # twice is harmless
     assert llm.stats() == after
     done = drive(eng)
