@@ -213,19 +213,44 @@ def _make_model_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", choices=["text", "multimodal"], default="text")
     p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    p.add_argument(
+        "--layers", type=int, default=None, metavar="N",
+        help="N decoder layers in Flash-Next's pattern (QSA at i %% 4 == 3); default: the preset's",
+    )  # fmt: skip
+    p.add_argument(
+        "--ngram-vocab-base", type=int, default=None, metavar="B",
+        help="PLE n-gram rows per head before rounding up to primes (ngram_vocab_size_base)",
+    )  # fmt: skip
     p.set_defaults(func=_run_make_model)
 
 
 def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
-    from .model.make_model import make_model
+    from .model.make_model import make_model, preset_overrides
 
+    try:
+        overrides = preset_overrides(args.preset, args.layers, args.ngram_vocab_base)
+    except ValueError as exc:
+        parser.error(str(exc))
     out = make_model(
-        args.preset, Path(args.out), seed=args.seed, layout=args.layout, with_mtp=not args.no_mtp
-    )
+        args.preset, Path(args.out), seed=args.seed, layout=args.layout, with_mtp=not args.no_mtp,
+        overrides=overrides,
+    )  # fmt: skip
     print(out)
     return 0
+
+
+def _bench_parser(sub) -> None:
+    from . import bench
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark prefill, decode, memory, energy and the roofline (JSON on stdout)",
+        description=bench.__doc__.split("\n\n")[0],
+    )
+    bench.add_arguments(p)
+    p.set_defaults(func=lambda args, parser: bench.run_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _generate_parser(sub)
     _make_model_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -131,6 +131,74 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+
+def flash_next_layer_types(num_layers: int) -> list[str]:
+    """Flash-Next's layer pattern for any depth: QSA at i % 4 == 3, GDN elsewhere (FLASH_NEXT.md)."""
+    return [QSA if i % 4 == 3 else GDN for i in range(num_layers)]
+
+
+# Flash-Next's real widths (FLASH_NEXT.md, "Real config") at issue 6's benchmark depth: 8 layers (QSA at 3
+# and 7), PLE on layer 2 (one-indexed) with a 200,000-row-per-head n-gram base (about 1 GB of table in bf16,
+# where the real 2e7 base needs 102 GB). `preset_overrides` changes the depth and the base.
+PRESETS["flash-next"] = _BASE | {
+    "vocab_size": 248320,
+    "hidden_size": 2560,
+    "num_hidden_layers": 8,
+    "layer_types": flash_next_layer_types(8),
+    "num_attention_heads": 24,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "max_position_embeddings": 262144,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 640,
+    "shared_expert_intermediate_size": 640,
+    "hc_count": 4,
+    "hc_lowrank": 320,
+    "ple_layer_ids": [2],
+    "ple_embed_dim": 2560,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 200000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "split_ngram_parts": 128,
+    "indexer_n_heads": 4,
+    "indexer_head_dim": 128,
+    "indexer_budget": 2048,
+    "indexer_compress_ratio": 4,
+}
+
+
+def preset_overrides(
+    preset: str, layers: int | None = None, ngram_vocab_base: int | None = None
+) -> dict[str, Any]:
+    """Overrides for `make-model --layers N --ngram-vocab-base B`: N layers in Flash-Next's pattern (QSA at
+    i % 4 == 3), keeping the preset's PLE layer ids that still exist; B rows per PLE head (before primes)."""
+    out: dict[str, Any] = {}
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be at least 1, got {layers}")
+        out["num_hidden_layers"] = layers
+        out["layer_types"] = flash_next_layer_types(layers)
+        out["ple_layer_ids"] = [i for i in PRESETS[preset]["ple_layer_ids"] if i <= layers]
+    if ngram_vocab_base is not None:
+        if ngram_vocab_base < 2:
+            raise ValueError(f"--ngram-vocab-base must be at least 2, got {ngram_vocab_base}")
+        out["ngram_vocab_size_base"] = ngram_vocab_base
+    return out
+
+
 # The multimodal layout carries a one-block vision tower so transformers' ConditionalGeneration loads with
 # no missing keys; nextserve ignores it.
 _VISION_CONFIG: dict[str, Any] = {

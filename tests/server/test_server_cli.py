@@ -72,11 +72,18 @@ def test_flags_reach_engine_config():
     assert engine_config_from_args(auto).kv_capacity == "auto"
 
 
-def test_serve_without_model_is_a_clear_error(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["serve"])
-    assert info.value.code == 2
-    assert "--model" in capsys.readouterr().err
+def test_serve_with_a_missing_model_dir_is_a_clear_error(capsys):
+    assert main(["serve", "--model", "/nonexistent/model-dir"]) == 2
+    assert "/nonexistent/model-dir" in capsys.readouterr().err
+
+
+def test_serve_defaults_to_the_embedded_model():
+    from nextserve.cli import build_parser, engine_config_from_args
+    from nextserve.config import DEFAULT_MODEL, ModelConfig
+
+    args = build_parser().parse_args(["serve"])
+    assert engine_config_from_args(args).model == DEFAULT_MODEL
+    assert ModelConfig.from_dir(DEFAULT_MODEL).num_hidden_layers > 0
 
 
 def test_bad_flag_values_are_clear_errors(capsys):

@@ -1,0 +1,104 @@
+"""`nextserve bench` end to end on a tiny CPU model, the flash-next preset and the roofline's byte count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nextserve import bench
+from nextserve.cli import main
+from nextserve.config import GDN, QSA
+from nextserve.model.loader import expected_shapes
+from nextserve.model.make_model import preset_overrides, text_config
+
+
+@pytest.fixture
+def one_thread():
+    # NOTE: the run is a few thousand tiny ops; on a busy two-core CI box, two intra-op threads spin-wait
+    # each other and take minutes instead of seconds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_cli_tiny_cpu_prints_json(capsys, tmp_path, one_thread) -> None:
+    out_file = tmp_path / "bench.json"
+    argv = [
+        "bench", "--device", "cpu", "--preset", "tiny", "--prompt-lens", "24", "40",
+        "--concurrency", "1", "3", "--decode-steps", "2", "--decode-prompt-len", "12",
+        "--copy-mib", "8", "--out", str(out_file),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert json.loads(out_file.read_text()) == res
+    for key in (
+        "command", "git", "hardware", "date_utc", "copy_bandwidth", "model", "engine", "nextserve",
+        "transformers", "ratios_nextserve_over_transformers", "energy_counter", "skipped",
+    ):  # fmt: skip
+        assert key in res, key
+    assert res["hardware"]["device"] == "cpu" and res["model"]["preset"] == "tiny"
+    assert res["copy_bandwidth"]["GB_per_s"] > 0
+
+    ns = res["nextserve"]
+    assert [r["prompt_len"] for r in ns["prefill"]] == [24, 40]
+    for r in ns["prefill"]:
+        assert r["ttft_s"] > 0 and r["prefill_tok_per_s"] > 0 and r["J_per_token"] is None
+    assert [r["concurrency"] for r in ns["decode"]] == [1, 3]
+    for r in ns["decode"]:
+        assert r["decode_steps"] == 2 and r["decode_tok_per_s"] > 0
+        assert r["roofline"]["tok_per_s"] > 0 and 0 < r["roofline_fraction"]
+        assert r["roofline"]["bytes_per_step"]["concurrency"] == r["concurrency"]
+    prof = ns["profile_decode_c1"]
+    assert {"gdn", "qsa_attention", "moe_routed_and_router", "hyper_connection", "ple"} <= set(
+        prof["self_ms_per_module_kind"]
+    )
+    assert prof["top_ops_by_self_cpu"]
+
+    hf = res["transformers"]
+    assert hf["ran"] is True, hf
+    assert [r["prompt_len"] for r in hf["prefill"]] == [24, 40]
+    assert [r["concurrency"] for r in hf["decode"]] == [1, 3]
+    ratios = res["ratios_nextserve_over_transformers"]
+    assert ratios["decode_tok_per_s@c1"] > 0 and "prefill_tok_per_s@24" in ratios
+    # Same weights, same prompt, float32: both greedy paths pick the same first token.
+    assert ratios["same_first_token@24"] and ratios["same_first_token@40"]
+
+
+def test_random_model_matches_loader_names_and_is_finite() -> None:
+    cfg, _ = bench.bench_config("tiny")
+    model = bench.random_flash_next(cfg, "cpu", torch.bfloat16, seed=1)
+    params = dict(model.named_parameters())
+    assert {k: tuple(v.shape) for k, v in params.items()} == expected_shapes(cfg)
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in params.values())
+    assert params["layers.0.mlp.experts.gate_up_proj"].float().std() > 0
+    again = bench.random_flash_next(cfg, "cpu", torch.bfloat16, seed=1)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_flash_next_preset_widths_and_layers() -> None:
+    text = text_config("flash-next")
+    assert text["num_hidden_layers"] == 8 and text["hidden_size"] == 2560 and text["vocab_size"] == 248320
+    assert [i for i, t in enumerate(text["layer_types"]) if t == QSA] == [3, 7]
+    assert text["ple_layer_ids"] == [2] and text["ngram_vocab_size_base"] == 200000
+    deep = text_config("flash-next", preset_overrides("flash-next", layers=48, ngram_vocab_base=20_000_000))
+    assert deep["layer_types"] == [QSA if i % 4 == 3 else GDN for i in range(48)]
+    assert deep["ngram_vocab_size_base"] == 20_000_000
+    assert preset_overrides("flash-next", layers=1)["ple_layer_ids"] == []  # layer 2 is gone
+    with pytest.raises(ValueError):
+        preset_overrides("flash-next", layers=0)
+
+
+def test_decode_bytes_of_the_reference_config() -> None:
+    """Issue 6: a decode step of the 8-layer reference config reads 3.35 GB of weights."""
+    cfg, _ = bench.bench_config("flash-next")
+    one = bench.decode_step_bytes(cfg, concurrency=1, context=1024)
+    assert 3.34e9 < one["weights_read"] < 3.36e9
+    assert one["expected_distinct_experts_per_layer"] == 10.0
+    # Six GDN layers' float32 recurrent state is read and written: 6 * 48 * 128 * 128 * 4 bytes each way.
+    assert one["state_written"] >= 6 * 48 * 128 * 128 * 4
+    many = bench.decode_step_bytes(cfg, concurrency=32, context=1024)
+    assert one["weights_dense"] == many["weights_dense"]
+    assert 10 < many["expected_distinct_experts_per_layer"] < 320
