@@ -25,17 +25,14 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -116,34 +113,13 @@ def random_flash_next(
     return model.eval()
 
 
-def engine_for_model(
-    model: FlashNext,
-    raw_config: dict[str, Any],
-    device: torch.device,
-    dtype: torch.dtype,
-    **engine_flags: Any,
-):
-    """A real LLMEngine (scheduler, pool, state slots, runner) around an already-built model.
-
-    LLMEngine loads weights from a directory; here its model construction and weight load are pointed at
-    `model` (load_state_dict then copies each tensor onto itself), and the directory holds config.json
-    only (no tokenizer: prompts are token ids). Everything after the load is the engine as `LLM` runs it.
-    """
-    from .engine import engine as engine_mod
+def engine_for_model(model: FlashNext, device: torch.device, dtype: torch.dtype, **engine_flags: Any):
+    """A real LLMEngine (scheduler, pool, state slots, runner) around an already-built model; no
+    tokenizer, so prompts are token ids. Everything else is the engine as `LLM` runs it."""
+    from .engine.engine import LLMEngine
 
     dtype_name = next(name for name, dt in DTYPES.items() if dt == dtype)
-    tmp = Path(tempfile.mkdtemp(prefix="nextserve-bench-"))
-    try:
-        (tmp / "config.json").write_text(json.dumps(raw_config))
-        with (
-            mock.patch.object(engine_mod, "FlashNext", lambda cfg, *a, **k: model),
-            mock.patch.object(engine_mod, "load_weights", lambda *a, **k: dict(model.state_dict())),
-        ):
-            return engine_mod.LLMEngine(
-                EngineConfig(model=str(tmp), device=str(device), dtype=dtype_name, **engine_flags)
-            )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return LLMEngine(EngineConfig(device=str(device), dtype=dtype_name, **engine_flags), model=model)
 
 
 # ---- measuring helpers ------------------------------------------------------------------------------------
@@ -850,7 +826,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         model = random_flash_next(cfg, device, dtype, args.seed)
         _sync(device)
         built = time.perf_counter() - t
-        engine = engine_for_model(model, raw, device, dtype, **engine_flags)
+        engine = engine_for_model(model, device, dtype, **engine_flags)
         log(f"nextserve model built in {built:.1f} s; warm-up")
         ns_decode(engine, [_prompt(rng, V, warm_len) for _ in range(2)], 2, meter)
         return model, engine, built

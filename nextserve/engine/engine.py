@@ -45,19 +45,28 @@ def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int
     return int(n_attn * per_layer * elem) + 1
 
 
+def load_model(config: EngineConfig, cfg: ModelConfig) -> FlashNext:
+    """The directory's weights in a FlashNext on the configured device and dtype."""
+    device, dtype = config.torch_device(), config.torch_dtype()
+    weights = load_weights(Path(config.model), cfg, dtype=dtype, device=device)
+    with torch.device(device):
+        model = FlashNext(cfg).to(dtype)
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: FlashNext | None = None) -> None:
+        """`model`: an already-built model (benchmarks build random weights on the device); by default
+        the weights of `config.model`, a model directory."""
         self.config = config
-        self.model_config = cfg = ModelConfig.from_dir(config.model)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
-        self.tokenizer = load_tokenizer(config.model)
-        weights = load_weights(Path(config.model), cfg, dtype=self.dtype, device=self.device)
-        with torch.device(self.device):
-            self.model = FlashNext(cfg).to(self.dtype)
-        self.model.load_state_dict(
-            {k: v for k, v in weights.items() if not k.startswith("mtp.")}, strict=True
-        )
-        self.model.eval()
+        if model is None:
+            self.model_config = cfg = ModelConfig.from_dir(config.model)
+            self.tokenizer = load_tokenizer(config.model)
+            self.model = load_model(config, cfg)
+        else:
+            self.model_config, self.tokenizer, self.model = (cfg := model.cfg), None, model.eval()
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
         self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
         capacity = self._kv_capacity(n_attn)
