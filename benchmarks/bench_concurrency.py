@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,34 +21,7 @@ from pathlib import Path
 import torch
 
 from nextserve import LLM, SamplingParams
-
-
-def git_revision() -> dict[str, object]:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
-
-    try:
-        return {"revision": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-    except OSError:
-        return {"revision": None, "dirty": None}
-
-
-def hardware(device: str) -> dict[str, object]:
-    info: dict[str, object] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "device": device,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        info["cuda"] = torch.version.cuda
-    return info
+from nextserve.bench import git_info, hardware
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, one_at_a_time: bool) -> dict:
@@ -120,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     same = results["concurrent"].pop("outputs") == results["one_at_a_time"].pop("outputs")
     report = {
         "benchmark": "concurrency",
-        "git": git_revision(),
+        "git": git_info(),
         "hardware": hardware(args.device),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": vars(args) | {"model": args.model or "make_model('tiny')"},

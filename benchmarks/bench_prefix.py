@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_concurrency import git_revision, hardware
 
 from nextserve import LLM, SamplingParams
+from nextserve.bench import git_info, hardware
 from nextserve.model.make_model import make_model
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     identical = results["cold"].pop("replies") == results["prefix_reuse"].pop("replies")
     print(json.dumps({
         "benchmark": "prefix_reuse",
-        "git": git_revision(),
+        "git": git_info(),
         "hardware": hardware(args.device),
         "command": " ".join(["python", *sys.argv]),
         "settings": vars(args),

@@ -1,0 +1,82 @@
+"""The benchmark's model: the preset's config and a FlashNext with random weights drawn on the device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..config import DTYPES, EngineConfig, ModelConfig
+from ..model.flash_next import FlashNext
+from ..model.loader import expected_shapes
+from ..model.make_model import _init, _seed_for, preset_overrides, text_config
+
+BENCH_EOS = 2  # make-model's <|im_end|> id; prompts are drawn from ids >= FIRST_PROMPT_ID, so never eos
+_FILL_CHUNK_ELEMS = 1 << 27  # random fill in slices of at most 128M elements (0.5 GB of fp32 temporaries)
+
+
+def bench_config(
+    preset: str = "flash-next", layers: int | None = None, ngram_vocab_base: int | None = None
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """The preset's text config (with make-model's --layers / --ngram-vocab-base) as a ModelConfig and as
+    the raw dict transformers' Qwen4ExpTextConfig takes."""
+    text = text_config(preset, preset_overrides(preset, layers, ngram_vocab_base))
+    raw = {"model_type": "qwen4_exp_text", "eos_token_id": BENCH_EOS} | text
+    return ModelConfig.from_dict(raw), raw
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def random_flash_next(
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> FlashNext:
+    """A whole FlashNext with random weights drawn directly on `device` in `dtype`: no checkpoint.
+
+    Every parameter is one of `expected_shapes(cfg)` (the loader's runtime names and shapes) and gets the
+    distribution make-model gives the tensor of that name (`make_model._init`: 1/sqrt(fan_in) projections,
+    unit embeddings, non-zero norm weights), drawn from a generator on the device seeded by (seed, name).
+    The values therefore differ from a make-model checkpoint of the same seed; the distributions do not.
+    The parameters are allocated in `dtype` from the start (no float32 copy of a 45 GB model).
+    """
+    device = torch.device(device)
+    with default_dtype(dtype), torch.device(device):
+        model = FlashNext(cfg)
+    shapes = expected_shapes(cfg)
+    params = dict(model.named_parameters())
+    if set(params) != set(shapes):
+        raise RuntimeError(
+            f"FlashNext parameters and loader names differ: only in model "
+            f"{sorted(set(params) - set(shapes))}, only in loader {sorted(set(shapes) - set(params))}"
+        )
+    with torch.no_grad():
+        for name, shape in shapes.items():
+            p = params[name]
+            if tuple(p.shape) != shape:
+                raise RuntimeError(f"{name}: model shape {tuple(p.shape)}, loader shape {shape}")
+            gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
+            row = max(1, p.numel() // max(1, shape[0]))
+            step = max(1, _FILL_CHUNK_ELEMS // row)
+            for start in range(0, shape[0], step):
+                part = p[start : start + step]
+                with torch.device(device):  # _init draws with torch.randn/rand: on the device's generator
+                    part.copy_(_init(name, tuple(part.shape), gen))
+    return model.eval()
+
+
+def engine_for_model(model: FlashNext, device: torch.device, dtype: torch.dtype, **engine_flags: Any):
+    """A real LLMEngine (scheduler, pool, state slots, runner) around an already-built model; no
+    tokenizer, so prompts are token ids. Everything else is the engine as `LLM` runs it."""
+    from ..engine.engine import LLMEngine
+
+    dtype_name = next(name for name, dt in DTYPES.items() if dt == dtype)
+    return LLMEngine(EngineConfig(device=str(device), dtype=dtype_name, **engine_flags), model=model)

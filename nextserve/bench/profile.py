@@ -1,0 +1,143 @@
+"""Where one decode step spends its time: self time per module kind, then a torch.profiler summary."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from .meters import EnergyMeter, Window, sync
+
+
+def _module_kind(module: torch.nn.Module) -> str | None:
+    from ..model.gated_deltanet import GatedDeltaNet
+    from ..model.hyper import GatedResidual
+    from ..model.moe import SharedExpert, SparseMoe
+    from ..model.ple import PLE
+    from ..model.qsa import Indexer, QSAttention
+
+    kinds = {
+        GatedDeltaNet: "gdn",
+        QSAttention: "qsa_attention",
+        Indexer: "qsa_indexer",
+        SparseMoe: "moe_routed_and_router",
+        SharedExpert: "moe_shared_expert",
+        PLE: "ple",
+        GatedResidual: "hyper_connection",
+    }
+    return kinds.get(type(module))
+
+
+def profile_decode_step(engine, prompt: list[int], meter: EnergyMeter, top: int = 12) -> dict[str, Any]:
+    """Where one decode step at concurrency 1 spends its time.
+
+    (1) Self wall time per module kind (device synced at every module boundary, so each module's time
+    includes its kernels): HC, GDN, QSA attention and indexer, MoE (router + routed experts) and shared
+    expert, PLE; the rest of the step (embedding, logits, sampling, scheduling) is `outside_modules`.
+    (2) torch.profiler over one more step: device activity count, summed kernel time and the top ops."""
+    from ..engine.sampling import SamplingParams
+
+    device = engine.device
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    seq = engine.sequences[rid]
+    while not seq.output_ids:
+        engine.step()
+    engine.step()  # one plain decode step first
+
+    totals: dict[str, float] = {}
+    stack: list[list[float]] = []  # [start, child time]
+
+    def pre(module, _args):
+        sync(device)
+        stack.append([time.perf_counter(), 0.0])
+
+    def post(module, _args, _out):
+        sync(device)
+        start, child = stack.pop()
+        took = time.perf_counter() - start
+        kind = _module_kind(module)
+        totals[kind] = totals.get(kind, 0.0) + took - child
+        if stack:
+            stack[-1][1] += took
+
+    handles = []
+    for m in engine.model.modules():
+        if _module_kind(m) is not None:
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        with Window(device, meter) as w:
+            engine.step()
+    finally:
+        for h in handles:
+            h.remove()
+    in_modules = sum(totals.values())
+    per_kind = {k: round(v * 1000, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    per_kind["outside_modules"] = round((w.seconds - in_modules) * 1000, 3)
+
+    result: dict[str, Any] = {
+        "what": "one engine.step() at concurrency 1 (one decode token), after a warm-up decode step",
+        "step_ms_with_module_syncs": round(w.seconds * 1000, 3),
+        "self_ms_per_module_kind": per_kind,
+    }
+    try:
+        result |= _torch_profile(engine, top)
+    except Exception as exc:  # noqa: BLE001 - the profile is a help, not a result
+        result["profiler_error"] = f"{type(exc).__name__}: {exc}"
+    while engine.has_unfinished():
+        engine.step()
+    return result
+
+
+def _torch_profile(engine, top: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    device = engine.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # One warm-up cycle first: the profiler's own start (4.5 s on the H200 run of 2026-11-30) stays out.
+    got: dict[str, Any] = {}
+
+    def ready(prof) -> None:  # the cycle's events, before the profiler clears them
+        got["events"], got["averages"] = list(prof.events()), list(prof.key_averages())
+
+    cycle = schedule(wait=0, warmup=1, active=1)
+    with (
+        warnings.catch_warnings(),  # "clears events at the end of each cycle": `ready` has them
+        profile(activities=activities, schedule=cycle, on_trace_ready=ready) as prof,
+    ):
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle.*")
+        engine.step()
+        prof.step()
+        sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        wall = time.perf_counter() - t0
+        prof.step()
+
+    def dev_time(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+
+    events = got["events"]
+    on_device = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in on_device)
+    ops = sorted(
+        (e for e in got["averages"] if not e.key.startswith("ProfilerStep")),
+        key=lambda e: -e.self_cpu_time_total,
+    )[:top]
+    return {
+        "profiled_step_ms": round(wall * 1000, 3),
+        "device_activities": len(on_device),
+        "device_busy_ms": round(busy_us / 1000, 3),
+        "host_events": len(events) - len(on_device),
+        "top_ops_by_self_cpu": [
+            {
+                "op": e.key,
+                "count": e.count,
+                "self_cpu_ms": round(e.self_cpu_time_total / 1000, 3),
+                "self_device_ms": round(dev_time(e) / 1000, 3),
+            }
+            for e in ops
+        ],
+    }
