@@ -33,6 +33,8 @@ class SequenceCache:
         self.pool, self.slots = pool, slots
         self.slot = slots.alloc()
         self.block_table: list[int] = []
+        self._table_list: list[int] | None = None  # what _table_dev was built from
+        self._table_dev: torch.Tensor | None = None
         self.length = 0  # tokens whose KV and state are committed
 
     # ---- sizing --------------------------------------------------------------------------------
@@ -119,12 +121,21 @@ class SequenceCache:
                 self.pool.release([page])
                 self.block_table[i] = new
 
+    def _table(self) -> torch.Tensor:
+        """The block table as a tensor on the pool's device, rebuilt only when the table changed.
+
+        # NOTE: built once per change, not once per layer call: a host-to-device copy per layer per
+        # step was a large part of a GPU decode step's launches."""
+        if self._table_list != self.block_table:
+            self._table_list = list(self.block_table)
+            self._table_dev = torch.tensor(self.block_table, dtype=torch.long, device=self.pool.k.device)
+        return self._table_dev
+
     def _addresses(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         P = self.pool.page_size
-        pos = torch.arange(start, start + n)
         self._own_pages(start // P, (start + n - 1) // P)
-        table = torch.tensor(self.block_table, dtype=torch.long)
-        return table[pos // P], pos % P
+        pos = torch.arange(start, start + n, device=self.pool.k.device)
+        return self._table()[pos // P], pos % P
 
     def write_kv(self, attn_index: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         pages, offs = self._addresses(start, k.shape[0])
@@ -132,23 +143,22 @@ class SequenceCache:
         self.pool.v[attn_index, pages, offs] = v
 
     def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n_pages = self.pool.pages_for(length)
-        table = torch.tensor(self.block_table[:n_pages], dtype=torch.long)
+        table = self._table()[: self.pool.pages_for(length)]
         k = self.pool.k[attn_index, table].flatten(0, 1)[:length]
         v = self.pool.v[attn_index, table].flatten(0, 1)[:length]
         return k, v
 
     def write_block_keys(self, attn_index: int, first_block: int, keys: torch.Tensor) -> None:
-        bpp, c = self.pool.blocks_per_page, self.pool.page_size // self.pool.blocks_per_page
-        blocks = torch.arange(first_block, first_block + keys.shape[0])
-        self._own_pages(
-            first_block * c // self.pool.page_size, (blocks[-1].item() * c) // self.pool.page_size
+        bpp, c, P = (
+            self.pool.blocks_per_page,
+            self.pool.page_size // self.pool.blocks_per_page,
+            self.pool.page_size,
         )
-        table = torch.tensor(self.block_table, dtype=torch.long)
-        self.pool.block_keys[attn_index, table[blocks // bpp], blocks % bpp] = keys
+        last_block = first_block + keys.shape[0] - 1
+        self._own_pages(first_block * c // P, last_block * c // P)
+        blocks = torch.arange(first_block, last_block + 1, device=self.pool.k.device)
+        self.pool.block_keys[attn_index, self._table()[blocks // bpp], blocks % bpp] = keys
 
     def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
-        bpp = self.pool.blocks_per_page
-        n_pages = -(-n_blocks // bpp)
-        table = torch.tensor(self.block_table[:n_pages], dtype=torch.long)
+        table = self._table()[: -(-n_blocks // self.pool.blocks_per_page)]
         return self.pool.block_keys[attn_index, table].flatten(0, 1)[:n_blocks]
