@@ -3,10 +3,14 @@
 import torch
 import torch.nn.functional as F
 
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T -> [T, N].
 
+    # On CUDA (not float64) the row-invariant path is one Triton kernel call (ops/triton/gemv.py);
+    # this per-row loop is its reference.
     # NOTE: a GEMM may pick its blocking (and so its reduction order) from the row count, and a
     # GEMV its peeling from the input's address alignment. In row-invariant mode every row is its
     # own call of one shape on a freshly allocated (so equally aligned) copy, so a row's bits never
@@ -14,4 +18,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_invariant: bool = False) -
     """
     if not row_invariant:
         return F.linear(x, weight)
+    if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        from .triton.gemv import small_m_linear
+
+        return small_m_linear(x, weight)
     return torch.cat([F.linear(x[i : i + 1].clone(), weight) for i in range(x.shape[0])], dim=0)
