@@ -4,7 +4,7 @@ from transformers import AutoTokenizer
 
 from nextserve.engine.detokenizer import Detokenizer
 
-TEXT = "def naïve(x):\n    return x ** 2  # 平方 ✓ ok\n\n<tool_call>{\"a\": 1}</tool_call> end"
+TEXT = 'def naïve(x):\n    return x ** 2  # 平方 ✓ ok\n\n<tool_call>{"a": 1}</tool_call> end'
 
 
 def test_incremental_equals_full_decode_and_prefixes_are_stable(tiny_model_dir) -> None:
