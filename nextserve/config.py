@@ -274,6 +274,7 @@ class EngineConfig:
     seed: int = 0
     prefix_cache_images: int = 0  # grid images kept for prefix reuse (0: off)
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
+    cuda_graph: bool = True  # replay decode steps as CUDA graphs (GPU only)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -290,6 +291,8 @@ class EngineConfig:
         for name in ("prefix_cache_images", "prefix_anchor_chunks", "seed"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise ConfigError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
             raise ConfigError("memory_headroom_mib must be >= 0 and cpu_kv_budget_mib > 0")
 

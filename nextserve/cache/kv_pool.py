@@ -28,11 +28,14 @@ class KVPool:
         if num_pages <= 0:
             raise ValueError("the KV pool needs at least one page")
         self.page_size, self.blocks_per_page, self.num_pages = page_size, page_size // c, num_pages
-        shape = (num_attn_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        # NOTE: one page more than the free list holds: the scratch page padded decode rows (graph
+        # buckets) write to. No sequence ever owns it, so nothing reads what lands there.
+        self.scratch_page = num_pages
+        shape = (num_attn_layers, num_pages + 1, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_keys = torch.zeros(
-            (num_attn_layers, num_pages, self.blocks_per_page, cfg.indexer_head_dim),
+            (num_attn_layers, num_pages + 1, self.blocks_per_page, cfg.indexer_head_dim),
             dtype=dtype,
             device=device,
         )

@@ -121,6 +121,12 @@ class SequenceCache:
                 self.pool.release([page])
                 self.block_table[i] = new
 
+    def own_page_at(self, position: int) -> None:
+        """Make the page holding `position` this sequence's own before a decode step writes it (a
+        no-op after `reserve`, which already copied shared pages below its token count)."""
+        page = position // self.pool.page_size
+        self._own_pages(page, page)
+
     def _table(self) -> torch.Tensor:
         """The block table as a tensor on the pool's device, rebuilt only when the table changed.
 

@@ -23,7 +23,9 @@ class StateSlots:
         if num_slots <= 0:
             raise ValueError("need at least one state slot")
         self.cfg, self.num_slots = cfg, num_slots
-        nG, nP, S = len(cfg.gdn_layers), len(cfg.ple_layers), num_slots
+        # NOTE: one slot more than the free list holds: the scratch slot of padded decode rows.
+        self.scratch_slot = num_slots
+        nG, nP, S = len(cfg.gdn_layers), len(cfg.ple_layers), num_slots + 1
         kw = {"device": device}
         self.gdn_conv = torch.zeros(
             nG, S, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, **kw

@@ -14,6 +14,7 @@ from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
+from ..runtime.graph_runner import GraphRunner
 from ..runtime.runner import ChunkResult, ModelRunner
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
@@ -83,7 +84,17 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix
         )
-        self.runner = ModelRunner(self.model, self.device)
+        graphs = None
+        if self.device.type == "cuda" and config.cuda_graph:
+            graphs = GraphRunner(
+                self.model,
+                self.pool,
+                self.slots,
+                self.pool.pages_for(self.max_context),
+                config.max_concurrency,
+            )
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.device, self.pool, self.slots, graphs)
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0

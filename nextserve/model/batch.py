@@ -71,3 +71,57 @@ class ForwardBatch:
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class KVView:
+    """One attention layer's paged planes as the decode ops read them: K, V [pages, P, Nkv, D],
+    compressed indexer keys [pages, P // c, di], and each row's block table [B, max_pages] int32."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_keys: torch.Tensor
+    block_table: torch.Tensor
+
+
+class DecodeCache(Protocol):
+    """The caches of B decode rows (one new token each, distinct sequences), addressed only through
+    device tensors, so one decode step can be captured once and replayed as a CUDA graph.
+    State planes hold every slot [S, ...]; `slots` [B] picks each row's."""
+
+    slots: torch.Tensor
+
+    def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv histories [S, conv_dim, K-1], recurrent states [S, Hv, dk, dv] float32)."""
+        ...
+
+    def ple_planes(self, ple_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n-gram contexts [S, N-1] int64, conv histories [S, nH, (Kp-1)*N])."""
+        ...
+
+    def index_tail_plane(self, attn_index: int) -> torch.Tensor:
+        """Raw indexer keys of each slot's open block [S, c-1, di]."""
+        ...
+
+    def write_kv(self, attn_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store each row's k, v [B, Nkv, D] at its position."""
+        ...
+
+    def write_block_key(self, attn_index: int, keys: torch.Tensor) -> None:
+        """Store keys [B, di] as the compressed key of the block holding each row's position."""
+        ...
+
+    def kv_view(self, attn_index: int) -> KVView: ...
+
+
+@dataclass
+class DecodeBatch:
+    """B decode rows: one token per sequence, every row computed row-invariantly (C1)."""
+
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    cache: DecodeCache
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..config import GDN, ModelConfig
-from .batch import ForwardBatch
+from .batch import DecodeBatch, ForwardBatch
 from .gated_deltanet import GatedDeltaNet
 from .hyper import GatedResidual
 from .moe import SparseMoe
@@ -35,3 +35,13 @@ class DecoderLayer(nn.Module):
         else:
             x = self.attn_hyper_connection(x, lambda u: self.self_attn(u, batch, *rope), ri)
         return self.mlp_hyper_connection(x, lambda u: self.mlp(u, ri), ri)
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch, rope) -> torch.Tensor:
+        """x [B, nH] streams of decode rows -> [B, nH]; every op row-invariant."""
+        if self.ple is not None:
+            x = x + self.ple.decode(x, batch)
+        if self.is_gdn:
+            x = self.attn_hyper_connection(x, lambda u: self.linear_attn.decode(u, batch), True)
+        else:
+            x = self.attn_hyper_connection(x, lambda u: self.self_attn.decode(u, batch, *rope), True)
+        return self.mlp_hyper_connection(x, lambda u: self.mlp(u, True), True)

@@ -5,12 +5,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import causal_conv
-from ..ops.gdn import gated_delta_rule
+from ..ops.conv import causal_conv, conv_step
+from ..ops.gdn import gated_delta_rule, recurrent_step
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
 from ..ops.pointwise import rowwise
-from .batch import ForwardBatch
+from .batch import DecodeBatch, ForwardBatch
 from .params import Weight
 
 
@@ -32,29 +32,48 @@ class GatedDeltaNet(nn.Module):
         self.norm = Weight(self.dv)
         self.out_proj = Weight(H, vdim)
 
+    def _project(self, u: torch.Tensor, ri: bool):
+        """u [T, H] -> (qkv [T, conv_dim], z [T, Hv, dv], g [T, Hv] float32, beta [T, Hv])."""
+        T = u.shape[0]
+        qkv = linear(u, self.in_proj_qkv.weight, ri)
+        z = linear(u, self.in_proj_z.weight, ri).view(T, self.hv, self.dv)
+        beta = rowwise(torch.sigmoid, linear(u, self.in_proj_b.weight, ri), ri)
+        a = linear(u, self.in_proj_a.weight, ri)
+        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias, ri)
+        return qkv, z, g, beta
+
+    def _split(self, x: torch.Tensor):
+        """Conv output [T, conv_dim] -> q, k [T, Hk, dk], v [T, Hv, dv]."""
+        T, kd = x.shape[0], self.hk * self.dk
+        q = x[:, :kd].reshape(T, self.hk, self.dk)
+        k = x[:, kd : 2 * kd].reshape(T, self.hk, self.dk)
+        return q, k, x[:, 2 * kd :].reshape(T, self.hv, self.dv)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor, ri: bool) -> torch.Tensor:
+        """o [T, Hv, dv] -> [T, H]."""
+        o = rms_norm_gated(o, z, self.norm.weight, self.eps, self.gate_act, ri)
+        return linear(o.reshape(o.shape[0], self.hv * self.dv), self.out_proj.weight, ri)
+
     def forward(self, u: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ri = batch.row_invariant
-        T = u.shape[0]
-        qkv = linear(u, self.in_proj_qkv.weight, ri)  # [T, conv_dim]
-        z = linear(u, self.in_proj_z.weight, ri).view(T, self.hv, self.dv)
-        beta = rowwise(torch.sigmoid, linear(u, self.in_proj_b.weight, ri), ri)  # [T, Hv]
-        a = linear(u, self.in_proj_a.weight, ri)
-        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias, ri)  # [T, Hv]
+        qkv, z, g, beta = self._project(u, ri)
         conv_w = self.conv1d.weight[:, 0, :]  # [C, K]
-        kd = self.hk * self.dk
         core = []
         for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
             conv_hist, rec = chunk.cache.gdn_state(self.gdn_index)
             x, new_hist = causal_conv(qkv[s:e], conv_hist, conv_w)
             conv_hist.copy_(new_hist)
-            x = F.silu(x)
-            n = e - s
-            q = x[:, :kd].reshape(n, self.hk, self.dk)
-            k = x[:, kd : 2 * kd].reshape(n, self.hk, self.dk)
-            v = x[:, 2 * kd :].reshape(n, self.hv, self.dv)
+            q, k, v = self._split(F.silu(x))
             o, new_rec = gated_delta_rule(q, k, v, g[s:e], beta[s:e], rec)
             rec.copy_(new_rec)
             core.append(o)
-        o = torch.cat(core, dim=0)  # [T, Hv, dv]
-        o = rms_norm_gated(o, z, self.norm.weight, self.eps, self.gate_act, ri)
-        return linear(o.reshape(T, self.hv * self.dv), self.out_proj.weight, ri)
+        return self._output(torch.cat(core, dim=0), z, ri)  # core [T, Hv, dv]
+
+    def decode(self, u: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One token per row, state read and written through the rows' slots."""
+        qkv, z, g, beta = self._project(u, True)
+        conv, rec = batch.cache.gdn_planes(self.gdn_index)
+        slots = batch.cache.slots
+        x = conv_step(qkv, conv, slots, self.conv1d.weight[:, 0, :], silu=True)
+        q, k, v = self._split(x)
+        return self._output(recurrent_step(q, k, v, g, beta, rec, slots), z, True)

@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import causal_conv
+from ..ops.conv import causal_conv, conv_step
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
-from .batch import ForwardBatch
+from .batch import DecodeBatch, ForwardBatch
 from .params import Weight
 
 _MASK64 = (1 << 64) - 1
@@ -56,16 +56,16 @@ def table_rows(cfg: ModelConfig, ple_index: int) -> int:
 
 
 def ngram_contexts(history: torch.Tensor, n_new: int, ngram_size: int, eos: int) -> torch.Tensor:
-    """history [N-1 + n_new] ids (the carried context, then the new tokens) -> c [n_new, N]:
-    c[:, s] = token_{t-s}, or eos if t-s is before the start or an eos lies strictly between."""
-    ctx = history.shape[0] - n_new
-    cols = [history[ctx:]]
-    blocked = torch.zeros(n_new, dtype=torch.bool, device=history.device)
+    """history [..., N-1 + n_new] ids (the carried context, then the new tokens) -> c [..., n_new, N]:
+    c[..., s] = token_{t-s}, or eos if t-s is before the start or an eos lies strictly between."""
+    ctx = history.shape[-1] - n_new
+    cols = [history[..., ctx:]]
+    blocked = torch.zeros_like(cols[0], dtype=torch.bool)
     for s in range(1, ngram_size):
-        prev = history[ctx - s : ctx - s + n_new]
+        prev = history[..., ctx - s : ctx - s + n_new]
         cols.append(torch.where(blocked, torch.full_like(prev, eos), prev))
         blocked = blocked | (prev == eos)
-    return torch.stack(cols, dim=1)
+    return torch.stack(cols, dim=-1)
 
 
 class NGramEmbedding(nn.Module):
@@ -114,24 +114,28 @@ class PLE(nn.Module):
         self.norm_conv = Weight(nH)
         self.conv1d = Weight(nH, 1, cfg.ple_conv_kernel_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, nH] -> PLE contribution [T, nH] (gated value + conv), updating context and history."""
-        ri, T, n, H = batch.row_invariant, x.shape[0], self.n, self.hidden
-        emb = self.ple_embedding
-        rows = []
-        for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
-            ctx, _ = chunk.cache.ple_state(self.ple_index)
-            hist = torch.cat([ctx, batch.input_ids[s:e]])
-            rows.append(emb.ids(ngram_contexts(hist, e - s, self.N, emb.eos)))
-            ctx.copy_(hist[-ctx.shape[0] :])
-        e_vec = F.embedding(torch.cat(rows), emb.ngram_embedding.weight).flatten(-2)  # [T, D]
+    def _gated(self, ids: torch.Tensor, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table rows [T, heads], streams x [T, nH] -> (gated value [T, nH], its G-norm, the conv input)."""
+        T, n, H = x.shape[0], self.n, self.hidden
+        e_vec = F.embedding(ids, self.ple_embedding.ngram_embedding.weight).flatten(-2)  # [T, D]
         key = rms_norm(linear(e_vec, self.key_proj.weight, ri), self.norm_key.weight, self.eps, H)
         value = linear(e_vec, self.value_proj.weight, ri)  # [T, H]
         query = rms_norm(x, self.norm_query.weight, self.eps, H)
         d = (key.view(T, n, H) * query.view(T, n, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
         gate = d.abs().clamp_min(1e-6).sqrt() * d.sign()
         gated = (rowwise(torch.sigmoid, gate, ri) * value.unsqueeze(-2)).flatten(-2)  # [T, nH]
-        normed = rms_norm(gated, self.norm_conv.weight, self.eps, H)
+        return gated, rms_norm(gated, self.norm_conv.weight, self.eps, H)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, nH] -> PLE contribution [T, nH] (gated value + conv), updating context and history."""
+        ri, emb = batch.row_invariant, self.ple_embedding
+        rows = []
+        for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
+            ctx, _ = chunk.cache.ple_state(self.ple_index)
+            hist = torch.cat([ctx, batch.input_ids[s:e]])
+            rows.append(emb.ids(ngram_contexts(hist, e - s, self.N, emb.eos)))
+            ctx.copy_(hist[-ctx.shape[0] :])
+        gated, normed = self._gated(torch.cat(rows), x, ri)
         conv_w = self.conv1d.weight[:, 0, :]
         convs = []
         for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
@@ -140,3 +144,14 @@ class PLE(nn.Module):
             conv_hist.copy_(new_hist)
             convs.append(out)
         return gated + rowwise(F.silu, torch.cat(convs), ri)
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One token per row; contexts and conv histories read and written through the rows' slots."""
+        emb, slots = self.ple_embedding, batch.cache.slots
+        ctx_plane, conv_plane = batch.cache.ple_planes(self.ple_index)
+        hist = torch.cat([ctx_plane.index_select(0, slots), batch.input_ids[:, None]], dim=1)  # [B, N]
+        ids = emb.ids(ngram_contexts(hist, 1, self.N, emb.eos)[:, 0])
+        ctx_plane.index_copy_(0, slots, hist[:, 1:])
+        gated, normed = self._gated(ids, x, True)
+        conv = conv_step(normed, conv_plane, slots, self.conv1d.weight[:, 0, :], self.N, silu=True)
+        return gated + conv

@@ -4,12 +4,18 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.attention import select_tokens, sparse_attention
+from ..ops.attention import (
+    index_scores,
+    paged_sparse_attention,
+    select_decode_tokens,
+    select_tokens,
+    sparse_attention,
+)
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
 from ..ops.rope import apply_rope, cos_sin
-from .batch import ForwardBatch
+from .batch import DecodeBatch, ForwardBatch
 from .params import Weight
 
 
@@ -22,22 +28,55 @@ class Indexer(nn.Module):
         self.q_layernorm = Weight(self.di)
         self.k_layernorm = Weight(self.di)
 
-    def block_key(self, raw: torch.Tensor, block_starts: torch.Tensor, inv_f: torch.Tensor) -> torch.Tensor:
+    def block_key(
+        self, raw: torch.Tensor, block_starts: torch.Tensor, inv_f: torch.Tensor, ri: bool = False
+    ) -> torch.Tensor:
         """raw [m, c, di] raw keys of m complete blocks -> compressed keys [m, di]."""
+        if ri and raw.device.type == "cpu" and raw.shape[0] > 1:
+            # NOTE: CPU reductions and cos/sin may round by where a row falls (ops/pointwise.py).
+            return torch.cat(
+                [
+                    self.block_key(raw[i : i + 1].clone(), block_starts[i : i + 1], inv_f)
+                    for i in range(len(raw))
+                ]
+            )
         pooled = raw.float().mean(dim=1).to(raw.dtype)
         normed = rms_norm(pooled, self.k_layernorm.weight, self.eps)
         cos, sin = cos_sin(block_starts, inv_f, raw.dtype)
         return apply_rope(normed[:, None, :], cos, sin)[:, 0, :]
 
+    def _query(self, u: torch.Tensor, cos, sin, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [T, H] -> (normed, roped queries [T, Ni, di], raw keys [T, di])."""
+        T = u.shape[0]
+        qk = linear(u, self.index_qk_proj.weight, ri)
+        q = qk[:, : self.ni * self.di].view(T, self.ni, self.di)
+        q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
+        return q, qk[:, self.ni * self.di :]
+
+    def decode(self, u, batch: DecodeBatch, cos, sin, attn_index: int, inv_f: torch.Tensor) -> torch.Tensor:
+        """Selected token ids [B, block_topk*c + c] int32 (-1 = none) of each decode row. Stores the
+        row's raw key in its slot's open block, and the block's compressed key once it completes."""
+        q, raw = self._query(u, cos, sin, True)
+        c, B, pos, cache = self.c, u.shape[0], batch.positions, batch.cache
+        tail_plane = cache.index_tail_plane(attn_index)  # [S, c-1, di]
+        r = pos % c  # the row's place in its block
+        block = torch.cat([tail_plane.index_select(0, cache.slots), raw[:, None, :]], dim=1)  # [B, c, di]
+        block = block.scatter(1, r[:, None, None].expand(B, 1, self.di), raw[:, None, :])
+        # NOTE: computed for every row (no branch, so the step can be a graph); it is the block's
+        # key only where r == c-1, and a placeholder elsewhere that the completion overwrites.
+        cache.write_block_key(attn_index, self.block_key(block, pos - r, inv_f, True))
+        tail_plane.index_copy_(0, cache.slots, block[:, : c - 1])
+        n_blocks = torch.div(pos + 1, c, rounding_mode="floor")
+        view = cache.kv_view(attn_index)
+        max_blocks = view.block_table.shape[1] * view.block_keys.shape[1]
+        scores = index_scores(q, view.block_keys, view.block_table, n_blocks, max_blocks)
+        return select_decode_tokens(scores, n_blocks, pos, c, self.topk)
+
     def forward(
         self, u, batch: ForwardBatch, cos, sin, attn_index: int, inv_f: torch.Tensor
     ) -> list[list[torch.Tensor]]:
         """Selected token ids for every row, grouped by chunk. Updates block keys and the open tail."""
-        T = u.shape[0]
-        qk = linear(u, self.index_qk_proj.weight, batch.row_invariant)
-        q = qk[:, : self.ni * self.di].view(T, self.ni, self.di)
-        raw = qk[:, self.ni * self.di :]  # [T, di]
-        q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
+        q, raw = self._query(u, cos, sin, batch.row_invariant)
         c = self.c
         selected = []
         for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
@@ -74,21 +113,38 @@ class QSAttention(nn.Module):
         self.k_norm = Weight(self.d)
         self.indexer = Indexer(cfg)
 
-    def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, inv_f) -> torch.Tensor:
-        ri, T = batch.row_invariant, u.shape[0]
-        selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f)
+    def _qkv(self, u: torch.Tensor, cos, sin, ri: bool):
+        """u [T, H] -> (q [T, Nq, D], gate [T, Nq*D], k, v [T, Nkv, D]); q and k normed and roped."""
+        T = u.shape[0]
         qg = linear(u, self.q_proj.weight, ri).view(T, self.nq, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :].reshape(T, self.nq * self.d)
-        q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)  # [T, Nq, D]
+        q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
         k = rms_norm(
             linear(u, self.k_proj.weight, ri).view(T, self.nkv, self.d), self.k_norm.weight, self.eps
         )
         k = apply_rope(k, cos, sin)
         v = linear(u, self.v_proj.weight, ri).view(T, self.nkv, self.d)
+        return q, gate, k, v
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor, ri: bool) -> torch.Tensor:
+        o = o.reshape(o.shape[0], self.nq * self.d) * rowwise(torch.sigmoid, gate, ri)
+        return linear(o, self.o_proj.weight, ri)
+
+    def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, inv_f) -> torch.Tensor:
+        ri = batch.row_invariant
+        selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f)
+        q, gate, k, v = self._qkv(u, cos, sin, ri)
         outs = []
         for chunk, (s, e), sel in zip(batch.chunks, batch.spans(), selected, strict=True):
             chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
             k_all, v_all = chunk.cache.read_kv(self.attn_index, chunk.start + chunk.n)
             outs.append(sparse_attention(q[s:e], k_all, v_all, sel, self.scaling))
-        o = torch.cat(outs, dim=0).reshape(T, self.nq * self.d) * rowwise(torch.sigmoid, gate, ri)
-        return linear(o, self.o_proj.weight, ri)
+        return self._output(torch.cat(outs, dim=0), gate, ri)
+
+    def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, inv_f) -> torch.Tensor:
+        tokens = self.indexer.decode(u, batch, cos, sin, self.attn_index, inv_f)
+        q, gate, k, v = self._qkv(u, cos, sin, True)
+        batch.cache.write_kv(self.attn_index, k, v)
+        view = batch.cache.kv_view(self.attn_index)
+        o = paged_sparse_attention(q, view.k, view.v, view.block_table, tokens, self.scaling)
+        return self._output(o, gate, True)

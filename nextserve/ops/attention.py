@@ -57,3 +57,108 @@ def sparse_attention(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         rows.append(torch.matmul(probs, vs)[:, 0, :])  # [Nq, D]
     return torch.stack(rows)
+
+
+# ---- batched decode over the paged KV cache (graph-capturable on CUDA) ----------------------------
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def index_scores(
+    q_idx: torch.Tensor,
+    key_plane: torch.Tensor,
+    block_table: torch.Tensor,
+    n_blocks: torch.Tensor,
+    max_blocks: int,
+) -> torch.Tensor:
+    """Indexer block scores of a batch of decode rows, keys read through the block table.
+
+    q_idx [B, Ni, di]; key_plane [pages, bpp, di] (block j of row b at page block_table[b, j // bpp],
+    index j % bpp); block_table [B, maxP]; n_blocks [B] complete blocks per row. Returns
+    [B, max_blocks] float32: sum_h relu(q_h . k_j) / sqrt(di) as `select_tokens` scores (float32),
+    -inf for j >= n_blocks[b].
+
+    # On CUDA one Triton kernel (ops/triton/qsa_decode.py); the per-row loop below is its reference
+    # and gives `select_tokens`' scores bit for bit.
+    """
+    if q_idx.is_cuda and q_idx.dtype in _TRITON_DTYPES:
+        from .triton.qsa_decode import triton_index_scores
+
+        return triton_index_scores(q_idx, key_plane, block_table, n_blocks, max_blocks)
+    return _index_scores_reference(q_idx, key_plane, block_table, n_blocks, max_blocks)
+
+
+def _index_scores_reference(q_idx, key_plane, block_table, n_blocks, max_blocks: int) -> torch.Tensor:
+    B, bpp, dev = q_idx.shape[0], key_plane.shape[1], q_idx.device
+    scale = math.sqrt(q_idx.shape[-1])
+    out = torch.full((B, max_blocks), float("-inf"), dtype=torch.float32, device=dev)
+    for row in range(B):
+        nb = int(n_blocks[row])
+        if nb == 0:
+            continue
+        blocks = torch.arange(nb, device=dev)
+        keys = key_plane[block_table[row].long()[blocks // bpp], blocks % bpp]  # [nb, di]
+        scores = torch.matmul(q_idx[row].float(), keys.float().t())  # [Ni, nb]
+        out[row, :nb] = torch.relu(scores.t()).sum(dim=-1) / scale
+    return out
+
+
+def select_decode_tokens(
+    scores: torch.Tensor, n_blocks: torch.Tensor, positions: torch.Tensor, c: int, block_topk: int
+) -> torch.Tensor:
+    """The tokens each decode row attends to, from `index_scores`: [B, block_topk * c + c] int32.
+
+    The top `block_topk` blocks by score (ties: the lower block first), those below n_blocks[b] kept,
+    in ascending order, each as its c tokens; then the open tail n_blocks*c .. positions[b] (at most
+    c tokens); then -1. Valid entries come first, ascending. Same set as `select_tokens` when no two
+    scores tie. Static shapes, no host reads: the same code on every device (graph-capturable).
+    """
+    B, M = scores.shape
+    dev = scores.device
+    k = min(block_topk, M)
+    L = block_topk * c + c
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # [B, k]
+    nb = n_blocks.to(torch.int64)[:, None]
+    keep = order < nb
+    blocks = torch.where(keep, order, M).sort(dim=-1).values  # kept ones first, ascending
+    block_tokens = (blocks[:, :, None] * c + torch.arange(c, device=dev)).flatten(1)  # [B, k*c]
+    block_tokens = torch.cat([block_tokens, block_tokens.new_zeros(B, L - k * c)], dim=1)
+    n_sel = keep.sum(dim=-1, keepdim=True) * c
+    n_tail = (positions.to(torch.int64)[:, None] + 1 - nb * c).clamp(0, c)
+    idx = torch.arange(L, device=dev)[None, :]
+    tail_tokens = nb * c + idx - n_sel
+    out = torch.where(idx < n_sel, block_tokens, torch.where(idx < n_sel + n_tail, tail_tokens, -1))
+    return out.to(torch.int32)
+
+
+def paged_sparse_attention(
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    block_table: torch.Tensor,
+    tokens: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Batched decode attention over the paged cache: q [B, Nq, D]; k_plane, v_plane
+    [pages, P, Nkv, D] (token t of row b at page block_table[b, t // P], offset t % P);
+    tokens [B, L] int32 (-1 = none). Returns [B, Nq, D] in q.dtype.
+
+    # On CUDA two Triton kernels (split token list, fixed combine; ops/triton/qsa_decode.py); the
+    # per-row loop below is their reference: `sparse_attention` on the gathered tokens, bit for bit.
+    """
+    if q.is_cuda and q.dtype in _TRITON_DTYPES:
+        from .triton.qsa_decode import triton_paged_sparse_attention
+
+        return triton_paged_sparse_attention(q, k_plane, v_plane, block_table, tokens, scaling)
+    return _paged_sparse_attention_reference(q, k_plane, v_plane, block_table, tokens, scaling)
+
+
+def _paged_sparse_attention_reference(q, k_plane, v_plane, block_table, tokens, scaling: float):
+    P = k_plane.shape[1]
+    rows = []
+    for row in range(q.shape[0]):
+        tok = tokens[row][tokens[row] >= 0].long()
+        pages = block_table[row].long()[tok // P]
+        k, v = k_plane[pages, tok % P], v_plane[pages, tok % P]  # [n, Nkv, D]
+        idx = torch.arange(tok.shape[0], device=q.device)
+        rows.append(sparse_attention(q[row : row + 1], k, v, [idx], scaling)[0])
+    return torch.stack(rows) if rows else torch.empty_like(q)

@@ -1,6 +1,7 @@
 """Causal depthwise convolution over time with a carried history."""
 
 import torch
+import torch.nn.functional as F
 
 
 def causal_conv(
@@ -25,3 +26,38 @@ def causal_conv(
         term = seq[start : start + T] * w[:, k]
         out = term if out is None else out + term
     return out, seq[-L:].t().contiguous() if L else history
+
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def conv_step(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    dilation: int = 1,
+    silu: bool = False,
+) -> torch.Tensor:
+    """One new input per row. x [B, C]; state [S, C, L] (L = (K-1)*dilation, a whole plane of slots,
+    updated in place at rows `slots`); slots [B] int64 (distinct); weight [C, K].
+    Returns out [B, C] in x.dtype, optionally followed by SiLU.
+
+    # On CUDA (not float64) this is one Triton launch (ops/triton/conv_step.py) with no host reads, so
+    # it can be captured in a CUDA graph; elsewhere it is this per-row loop over `causal_conv`, the
+    # kernel's reference and bit for bit the serial decode step.
+    # NOTE: every row is its own `causal_conv` call on its own slot (and the kernel gives every row its
+    # own programs), so a row's output and its slot's new history never depend on the rows beside it.
+    """
+    if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        from .triton.conv_step import triton_conv_step
+
+        return triton_conv_step(x, state, slots, weight, dilation, silu)
+    outs = []
+    for b, s in enumerate(slots.tolist()):
+        out, new_hist = causal_conv(x[b : b + 1], state[s], weight, dilation)
+        state[s].copy_(new_hist)
+        outs.append(F.silu(out) if silu else out)
+    if not outs:
+        return x.new_empty(x.shape)
+    return torch.cat(outs, dim=0)

@@ -39,3 +39,41 @@ def gated_delta_rule(
         S = S + k[t][:, :, None] * delta[:, None, :]
         outs.append((S * q[t][:, :, None]).sum(dim=-2))
     return torch.stack(outs).to(out_dtype), S
+
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row. q, k [B, Hk, dk]; v [B, Hv, dv]; g, beta [B, Hv]; state [S, Hv, dk, dv] float32
+    (a whole plane of slots, updated in place at rows `slots`); slots [B] int64 (distinct).
+    Returns o [B, Hv, dv] in v.dtype.
+
+    # On CUDA (not float64) this is one Triton launch (ops/triton/gdn_step.py) with no host reads, so
+    # it can be captured in a CUDA graph; elsewhere it is this per-row loop over `gated_delta_rule`, the
+    # kernel's reference and bit for bit the serial decode step.
+    # NOTE: every row is its own `gated_delta_rule` call on its own slot (and the kernel gives every row
+    # its own programs), so a row's output and its slot's new state never depend on the rows beside it.
+    """
+    if v.is_cuda and v.dtype in _TRITON_DTYPES and state.dtype == torch.float32:
+        from .triton.gdn_step import triton_recurrent_step
+
+        return triton_recurrent_step(q, k, v, g, beta, state, slots)
+    outs = []
+    for b, s in enumerate(slots.tolist()):
+        o, new_state = gated_delta_rule(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], state[s]
+        )
+        state[s].copy_(new_state)
+        outs.append(o)
+    if not outs:
+        return v.new_empty(v.shape)
+    return torch.cat(outs, dim=0)

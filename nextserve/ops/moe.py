@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from .linear import linear
+from .linear import _TRITON_DTYPES, linear
 from .pointwise import rowwise
 
 
@@ -30,8 +30,14 @@ def experts(
 
     # NOTE: contributions are added in ascending expert order, one expert at a time, as the
     # reference model does; in row-invariant mode each row's projections are calls of their own.
+    # On CUDA (not float64) the row-invariant path is two Triton kernels (ops/triton/moe_decode.py)
+    # with no host reads; `_experts_by_row` is their reference.
     """
     if row_invariant:
+        if x.is_cuda and x.dtype in _TRITON_DTYPES:
+            from .triton.moe_decode import routed_experts
+
+            return routed_experts(x, weights, ids, gate_up, down)
         return _experts_by_row(x, weights, ids, gate_up, down)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():

@@ -1,5 +1,6 @@
 """Runs a StepPlan on one device: prefill chunks each as their own forward, decodes as one
-row-invariant forward, then samples the rows that choose a token."""
+row-invariant decode step (a CUDA graph replay where one is captured), then samples the rows that
+choose a token."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.decode_rows import DecodeRows
+from ..cache.kv_pool import KVPool
+from ..cache.states import StateSlots
 from ..engine.sampling import TokenLogprob, sample_row
 from ..engine.scheduler import Chunk, StepPlan
-from ..model.batch import ForwardBatch, SeqChunk
+from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
+from .graph_runner import GraphRunner
 
 log = logging.getLogger("nextserve.runner")
 
@@ -32,8 +37,47 @@ def _describe(exc: BaseException) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model: FlashNext, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(
+        self,
+        model: FlashNext,
+        device: torch.device,
+        pool: KVPool,
+        states: StateSlots,
+        graphs: GraphRunner | None = None,
+    ) -> None:
+        self.model, self.device, self.pool, self.states, self.graphs = model, device, pool, states, graphs
+
+    def decode_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """Host lists of the decode rows: token ids, positions, state slots, block tables."""
+        for ch in chunks:
+            ch.seq.cache.own_page_at(ch.start)
+        return (
+            [ch.seq.all_ids[ch.start] for ch in chunks],
+            [ch.start for ch in chunks],
+            [ch.seq.cache.slot for ch in chunks],
+            [ch.seq.cache.block_table for ch in chunks],
+        )
+
+    def decode_batch(self, ids, positions, slots, tables, width: int | None = None) -> DecodeBatch:
+        """An eager DecodeBatch; block tables padded with the scratch page to `width` (default: the
+        longest)."""
+        width = width or max(len(t) for t in tables)
+        table = torch.full((len(tables), width), self.pool.scratch_page, dtype=torch.int32)
+        for r, t in enumerate(tables):
+            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        rows = DecodeRows(self.pool, self.states, slot_t, pos, table.to(dev))
+        return DecodeBatch(torch.tensor(ids, dtype=torch.long, device=dev), pos, rows)
+
+    def decode_logits(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences)."""
+        ids, positions, slots, tables = self.decode_inputs(chunks)
+        if self.graphs is not None and self.graphs.fits(len(chunks)):
+            return self.graphs.replay(ids, positions, slots, tables)
+        batch = self.decode_batch(ids, positions, slots, tables)
+        return self.model.logits(self.model.decode(batch), row_invariant=True)
 
     def _batch(self, chunks: list[Chunk], row_invariant: bool) -> ForwardBatch:
         ids, pos, spans = [], [], []
@@ -77,18 +121,24 @@ class ModelRunner:
                 sample_chunks.append(ch)
             else:
                 results.append(ChunkResult(ch))
+        logits = []
+        if rows:
+            try:
+                logits.append(self.model.logits(torch.cat(rows), row_invariant=True))
+            except Exception as exc:  # noqa: BLE001
+                log.exception("logits failed")
+                results += [ChunkResult(ch, error=_describe(exc)) for ch in sample_chunks]
+                sample_chunks = []
         if plan.decodes:
-            streams = self._forward(plan.decodes, True, results)
-            if streams is not None:
-                rows.append(streams)
+            try:
+                logits.append(self.decode_logits(plan.decodes))
                 sample_chunks += plan.decodes
-        if not rows:
+            except Exception as exc:  # noqa: BLE001
+                log.exception("decode step failed")
+                results += [ChunkResult(ch, error=_describe(exc)) for ch in plan.decodes]
+        if not sample_chunks:
             return results
-        try:
-            logits = self.model.logits(torch.cat(rows), row_invariant=True)
-        except Exception as exc:  # noqa: BLE001
-            log.exception("logits failed")
-            return results + [ChunkResult(ch, error=_describe(exc)) for ch in sample_chunks]
+        logits = torch.cat(logits).float().cpu()
         for ch, row in zip(sample_chunks, logits, strict=True):
             try:
                 token, lp = sample_row(row, ch.seq.params, ch.seq.generator, ch.seq.constraint)

@@ -98,12 +98,12 @@ def test_every_decode_row_is_row_invariant(oracle_llm) -> None:
     a one-ulp difference need not change a token)."""
     reqs = workload(seed=1)
     llm = oracle_llm(**TIGHT)
-    eng, model, pool, slots = llm.engine, llm.engine.model, llm.engine.pool, llm.engine.slots
+    eng, pool, slots = llm.engine, llm.engine.pool, llm.engine.slots
     planes = [pool.k, pool.v, pool.block_keys] + [getattr(slots, n) for n in STATE]
 
     def forward(chunks):
         with torch.inference_mode():
-            return model.logits(model(eng.runner._batch(chunks, row_invariant=True)), row_invariant=True)
+            return eng.runner.decode_logits(chunks)
 
     def row_state(ch):
         c = ch.seq.cache

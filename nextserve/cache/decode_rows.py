@@ -1,0 +1,64 @@
+"""The caches of a batch of decode rows, addressed by device tensors (implements DecodeCache).
+
+The same object serves the eager decode step and the static buffers a CUDA graph replays: only
+the tensors' contents change between steps, never their shapes or addresses."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.batch import KVView
+from .kv_pool import KVPool
+from .states import StateSlots
+
+
+class DecodeRows:
+    def __init__(
+        self,
+        pool: KVPool,
+        states: StateSlots,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> None:
+        """slots [B] int64; positions [B] int64 (each row's new token); block_table [B, max_pages]
+        int32, padded with any page (the decode ops never read past a row's position)."""
+        self.pool, self.states = pool, states
+        self.slots, self.positions, self.block_table = slots, positions, block_table
+
+    def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states.gdn_conv[gdn_index], self.states.gdn_rec[gdn_index]
+
+    def ple_planes(self, ple_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states.ple_ctx[ple_index], self.states.ple_conv[ple_index]
+
+    def index_tail_plane(self, attn_index: int) -> torch.Tensor:
+        return self.states.index_tail[attn_index]
+
+    def _page_of(self, index: torch.Tensor, per_page: int) -> torch.Tensor:
+        """The page holding each row's `index`-th token/block: block_table[b, index[b] // per_page]."""
+        col = torch.div(index, per_page, rounding_mode="floor")[:, None]
+        return self.block_table.gather(1, col)[:, 0].long()
+
+    def write_kv(self, attn_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        P = self.pool.page_size
+        page, off = self._page_of(self.positions, P), self.positions % P
+        self.pool.k[attn_index].index_put_((page, off), k)
+        self.pool.v[attn_index].index_put_((page, off), v)
+
+    def write_block_key(self, attn_index: int, keys: torch.Tensor) -> None:
+        # NOTE: rows whose block is still open write a placeholder there too (no branch, so the step
+        # can be a graph); the slot is not read before the block completes and overwrites it, and the
+        # page is the row's own (reserve copied it if it was shared).
+        bpp = self.pool.blocks_per_page
+        block = torch.div(self.positions, self.pool.page_size // bpp, rounding_mode="floor")
+        page, idx = self._page_of(block, bpp), block % bpp
+        self.pool.block_keys[attn_index].index_put_((page, idx), keys)
+
+    def kv_view(self, attn_index: int) -> KVView:
+        return KVView(
+            self.pool.k[attn_index],
+            self.pool.v[attn_index],
+            self.pool.block_keys[attn_index],
+            self.block_table,
+        )

@@ -1,0 +1,98 @@
+"""CUDA graphs of the decode step (embedding -> layers -> mixer -> lm_head), one per batch-size bucket.
+
+A decode step launches thousands of small kernels; replaying it as one graph removes the launch and
+Python cost. The step reads every per-step input (token ids, positions, state slots, block tables)
+from static device buffers, which `replay` fills before each replay.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..cache.decode_rows import DecodeRows
+from ..cache.kv_pool import KVPool
+from ..cache.states import StateSlots
+from ..model.batch import DecodeBatch
+from ..model.flash_next import FlashNext
+
+log = logging.getLogger("nextserve.graphs")
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8))
+    return sizes + [max_rows]
+
+
+class GraphRunner:
+    # NOTE: padding rows (a batch of 5 replays the graph of 8) use the scratch state slot and the
+    # scratch KV page, which no sequence owns; every decode op is row-invariant, so a real row's bits
+    # are the same in any bucket, alone, or eager (C1; tests/gpu/test_cuda_graphs.py).
+    def __init__(
+        self, model: FlashNext, pool: KVPool, states: StateSlots, max_pages: int, max_rows: int
+    ) -> None:
+        self.model, self.pool, self.states = model, pool, states
+        self.buckets = bucket_sizes(max_rows)
+        self.max_pages, G = max_pages, self.buckets[-1]
+        dev = pool.k.device
+        self.meta = torch.zeros((3, G), dtype=torch.long, device=dev)  # ids, positions, slots
+        self.table = torch.zeros((G, max_pages), dtype=torch.int32, device=dev)
+        self.meta_host = torch.zeros((3, G), dtype=torch.long).pin_memory()
+        self.table_host = torch.zeros((G, max_pages), dtype=torch.int32).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def fits(self, rows: int) -> bool:
+        return rows <= self.buckets[-1]
+
+    def _batch(self, B: int) -> DecodeBatch:
+        ids, pos, slots = self.meta[0, :B], self.meta[1, :B], self.meta[2, :B]
+        return DecodeBatch(ids, pos, DecodeRows(self.pool, self.states, slots, pos, self.table[:B]))
+
+    def _step(self, B: int) -> torch.Tensor:
+        return self.model.logits(self.model.decode(self._batch(B)), row_invariant=True)
+
+    def _fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], G: int):
+        B = len(ids)
+        m, t = self.meta_host, self.table_host
+        m[0, :B] = torch.tensor(ids, dtype=torch.long)
+        m[1, :B] = torch.tensor(positions, dtype=torch.long)
+        m[2, :B] = torch.tensor(slots, dtype=torch.long)
+        m[0, B:G], m[1, B:G], m[2, B:G] = 0, 0, self.states.scratch_slot
+        t[:G].fill_(self.pool.scratch_page)
+        for r, table in enumerate(tables):
+            if len(table) > self.max_pages:
+                raise ValueError(f"block table of {len(table)} pages exceeds the graph's {self.max_pages}")
+            t[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        self.meta[:, :G].copy_(m[:, :G], non_blocking=True)
+        self.table[:G].copy_(t[:G], non_blocking=True)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm every bucket up (Triton compiles here), then capture the largest first so the smaller
+        graphs reuse its memory pool. Only the scratch slot and page are written."""
+        self._fill([], [], [], [], self.buckets[-1])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for B in self.buckets:
+                self._step(B)
+        torch.cuda.current_stream().wait_stream(side)
+        mempool = torch.cuda.graph_pool_handle()
+        for B in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                out = self._step(B)
+            self.graphs[B] = (graph, out)
+        torch.cuda.synchronize()
+        log.info("captured decode graphs for batch sizes %s", self.buckets)
+
+    def replay(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]):
+        """Logits [B, V] of one decode step (a view of the graph's output: copy it before the next)."""
+        B = len(ids)
+        G = next(b for b in self.buckets if b >= B)
+        self._fill(ids, positions, slots, tables, G)
+        graph, out = self.graphs[G]
+        graph.replay()
+        return out[:B]
