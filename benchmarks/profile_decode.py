@@ -1,0 +1,113 @@
+"""Where a GPU decode step's time goes: graph replay vs the whole engine step, and the device time of
+every kernel of one eager step, summed by kernel name.
+
+    python benchmarks/profile_decode.py --concurrency 1 8     # flash-next preset, 8 layers, bf16
+
+Prints one JSON object (revision, hardware, command, figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve.bench.model import bench_config, engine_for_model, random_flash_next  # noqa: E402
+from nextserve.bench.provenance import git_info, hardware  # noqa: E402
+from nextserve.engine.sampling import SamplingParams  # noqa: E402
+
+
+def kernel_table(engine, top: int) -> dict:
+    """One eager decode step under torch.profiler: device kernels summed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        engine.step()  # warm
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            sync()
+    finally:
+        engine.runner.graphs = graphs
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA or engine.device.type == "cpu":
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    return {
+        "kernels": sum(r[1] for r in rows),
+        "kernel_us_total": round(total, 1),
+        "top": [{"us": round(t, 1), "count": n, "name": k[:120]} for t, n, k in rows[:top]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="flash-next")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg, _ = bench_config(args.preset, args.layers)
+    model = random_flash_next(cfg, device, dtype, 0)
+    conc = max(args.concurrency)
+    cap = conc * (args.prompt_len + 3 * args.steps + 64) + 64
+    engine = engine_for_model(
+        model, device, dtype, max_concurrency=conc, kv_capacity=cap, max_context=cap // conc
+    )
+    out = {"git": git_info(), "hardware": hardware(device), "command": " ".join(["python", *sys.argv]), "runs": []}
+    g = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for c in args.concurrency:
+        params = SamplingParams(max_tokens=3 * args.steps + 4, temperature=0.0, ignore_eos=True)
+        for _ in range(c):
+            engine.add_request(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(), params)
+        while any(s.in_prefill or not s.output_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        engine.step()
+        sync()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        step_ms = (time.perf_counter() - t) / args.steps * 1000
+        rows = engine.scheduler.running
+        inputs = engine.runner.decode_inputs(
+            [type("C", (), {"seq": s, "start": s.num_computed})() for s in rows]
+        )  # a replay of the same rows (their state advances; timing only)
+        replay_ms = None
+        if engine.runner.graphs is not None:
+            sync()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                engine.runner.graphs.replay(*inputs)
+            sync()
+            replay_ms = (time.perf_counter() - t) / args.steps * 1000
+        run = {"concurrency": c, "engine_step_ms": round(step_ms, 3), "tok_per_s": round(c * 1000 / step_ms, 1)}
+        run["graph_replay_ms"] = None if replay_ms is None else round(replay_ms, 3)
+        run["eager_step"] = kernel_table(engine, args.top)
+        out["runs"].append(run)
+        for s in list(engine.scheduler.running):
+            engine.abort(s.request_id)
+        while engine.has_unfinished():
+            engine.step()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
