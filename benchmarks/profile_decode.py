@@ -51,6 +51,28 @@ def kernel_table(engine, top: int) -> dict:
     }
 
 
+def host_profile(engine, steps: int, top: int = 15) -> list[dict]:
+    """cProfile of `steps` engine steps: where the host spends a step (self time per function)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {
+            "self_us_per_step": round(v[2] / steps * 1e6, 1),
+            "calls_per_step": v[1] / steps,
+            "fn": f"{k[0][-40:]}:{k[1]}:{k[2]}",
+        }
+        for k, v in rows
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-next")
@@ -70,14 +92,24 @@ def main() -> None:
     engine = engine_for_model(
         model, device, dtype, max_concurrency=conc, kv_capacity=cap, max_context=cap // conc
     )
-    out = {"git": git_info(), "hardware": hardware(device), "command": " ".join(["python", *sys.argv]), "runs": []}
+    out = {
+        "git": git_info(),
+        "hardware": hardware(device),
+        "command": " ".join(["python", *sys.argv]),
+        "runs": [],
+    }
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for c in args.concurrency:
         params = SamplingParams(max_tokens=3 * args.steps + 4, temperature=0.0, ignore_eos=True)
         for _ in range(c):
-            engine.add_request(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(), params)
-        while any(s.in_prefill or not s.output_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.add_request(
+                torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(), params
+            )
+        while (
+            any(s.in_prefill or not s.output_ids for s in engine.scheduler.running)
+            or engine.scheduler.waiting
+        ):
             engine.step()
         engine.step()
         sync()
@@ -98,8 +130,13 @@ def main() -> None:
                 engine.runner.graphs.replay(*inputs)
             sync()
             replay_ms = (time.perf_counter() - t) / args.steps * 1000
-        run = {"concurrency": c, "engine_step_ms": round(step_ms, 3), "tok_per_s": round(c * 1000 / step_ms, 1)}
+        run = {
+            "concurrency": c,
+            "engine_step_ms": round(step_ms, 3),
+            "tok_per_s": round(c * 1000 / step_ms, 1),
+        }
         run["graph_replay_ms"] = None if replay_ms is None else round(replay_ms, 3)
+        run["host_profile"] = host_profile(engine, args.steps)
         run["eager_step"] = kernel_table(engine, args.top)
         out["runs"].append(run)
         for s in list(engine.scheduler.running):

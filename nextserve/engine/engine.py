@@ -68,6 +68,7 @@ class LLMEngine:
             self.model = load_model(config, cfg)
         else:
             self.model_config, self.tokenizer, self.model = (cfg := model.cfg), None, model.eval()
+        self.model.fuse_projections()
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
         self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
         capacity = self._kv_capacity(n_attn)

@@ -43,6 +43,15 @@ class FlashNext(nn.Module):
             self.lm_head = Weight(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
+    def fuse_projections(self) -> None:
+        """Stack the projections that read one input (see params.fuse_rows); after loading weights."""
+        if getattr(self, "_fused", False):
+            return
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse"):
+                m.fuse()
+        self._fused = True
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, row_invariant: bool = False):
         cos = rowwise(lambda p: cos_sin(p, self.inv_freq, dtype)[0], positions, row_invariant)
         sin = rowwise(lambda p: cos_sin(p, self.inv_freq, dtype)[1], positions, row_invariant)

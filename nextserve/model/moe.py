@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from ..ops.linear import linear
 from ..ops.moe import experts, route
 from ..ops.pointwise import rowwise
-from .params import Weight
+from .params import Weight, fuse_rows
 
 
 class Experts(nn.Module):
@@ -27,9 +27,12 @@ class SharedExpert(nn.Module):
         self.up_proj = Weight(I, H)
         self.down_proj = Weight(H, I)
 
-    def forward(self, x: torch.Tensor, ri: bool) -> torch.Tensor:
-        h = rowwise(F.silu, linear(x, self.gate_proj.weight, ri), ri) * linear(x, self.up_proj.weight, ri)
-        return linear(h, self.down_proj.weight, ri)
+    def forward(self, x: torch.Tensor, ri: bool, gate_up=None) -> torch.Tensor:
+        """x [T, H] (or its gate and up projections, given) -> [T, H]."""
+        if gate_up is None:
+            gate_up = (linear(x, self.gate_proj.weight, ri), linear(x, self.up_proj.weight, ri))
+        g, up = gate_up
+        return linear(rowwise(F.silu, g, ri) * up, self.down_proj.weight, ri)
 
 
 class SparseMoe(nn.Module):
@@ -40,9 +43,22 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = SharedExpert(cfg)
         self.shared_expert_gate = Weight(1, cfg.hidden_size)
+        self.in_proj: torch.Tensor | None = None  # router|shared gate|shared up|shared-expert gate
+
+    def _parts(self) -> tuple[Weight, ...]:
+        se = self.shared_expert
+        return (self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate)
+
+    def fuse(self) -> None:
+        self.in_proj = fuse_rows(*self._parts())
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
-        shared = self.shared_expert(u, ri)
-        w, ids = route(linear(u, self.gate.weight, ri), self.top_k, self.norm_topk, ri)
+        if self.in_proj is not None:
+            sizes = [w.weight.shape[0] for w in self._parts()]
+            router, g, up, sg = linear(u, self.in_proj, ri).split(sizes, dim=-1)
+        else:
+            router, g, up, sg = (linear(u, w.weight, ri) for w in self._parts())
+        shared = self.shared_expert(u, ri, (g, up))
+        w, ids = route(router, self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up_proj, self.experts.down_proj, ri)
-        return routed + rowwise(torch.sigmoid, linear(u, self.shared_expert_gate.weight, ri), ri) * shared
+        return routed + rowwise(torch.sigmoid, sg, ri) * shared

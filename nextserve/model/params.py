@@ -10,3 +10,16 @@ class Weight(nn.Module):
     def __init__(self, *shape: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def fuse_rows(*holders: Weight) -> torch.Tensor:
+    """Stack the weights [N_i, K] of projections that read the same input into one [sum N_i, K]
+    tensor, each holder's weight becoming a view of its rows: one GEMV launch instead of several
+    in a decode step, and no second copy of the weights. Returns the stacked tensor."""
+    fused = torch.cat([h.weight.data for h in holders])
+    start = 0
+    for h in holders:
+        n = h.weight.shape[0]
+        h.weight.data = fused[start : start + n]
+        start += n
+    return fused

@@ -12,7 +12,7 @@ from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
 from .batch import DecodeBatch, ForwardBatch
-from .params import Weight
+from .params import Weight, fuse_rows
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -113,13 +113,20 @@ class PLE(nn.Module):
         self.norm_query = Weight(nH)
         self.norm_conv = Weight(nH)
         self.conv1d = Weight(nH, 1, cfg.ple_conv_kernel_size)
+        self.kv_proj: torch.Tensor | None = None  # key|value stacked by fuse()
+
+    def fuse(self) -> None:
+        self.kv_proj = fuse_rows(self.key_proj, self.value_proj)
 
     def _gated(self, ids: torch.Tensor, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Table rows [T, heads], streams x [T, nH] -> (gated value [T, nH], its G-norm, the conv input)."""
+        """Table rows [T, heads], streams x [T, nH] -> (gated value [T, nH], its G-norm: the conv input)."""
         T, n, H = x.shape[0], self.n, self.hidden
         e_vec = F.embedding(ids, self.ple_embedding.ngram_embedding.weight).flatten(-2)  # [T, D]
-        key = rms_norm(linear(e_vec, self.key_proj.weight, ri), self.norm_key.weight, self.eps, H)
-        value = linear(e_vec, self.value_proj.weight, ri)  # [T, H]
+        if self.kv_proj is not None:
+            key, value = linear(e_vec, self.kv_proj, ri).split([n * H, H], dim=-1)
+        else:
+            key, value = linear(e_vec, self.key_proj.weight, ri), linear(e_vec, self.value_proj.weight, ri)
+        key = rms_norm(key, self.norm_key.weight, self.eps, H)  # value [T, H]
         query = rms_norm(x, self.norm_query.weight, self.eps, H)
         d = (key.view(T, n, H) * query.view(T, n, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
         gate = d.abs().clamp_min(1e-6).sqrt() * d.sign()

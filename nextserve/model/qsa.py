@@ -16,7 +16,7 @@ from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
 from ..ops.rope import apply_rope, cos_sin
 from .batch import DecodeBatch, ForwardBatch
-from .params import Weight
+from .params import Weight, fuse_rows
 
 
 class Indexer(nn.Module):
@@ -45,18 +45,21 @@ class Indexer(nn.Module):
         cos, sin = cos_sin(block_starts, inv_f, raw.dtype)
         return apply_rope(normed[:, None, :], cos, sin)[:, 0, :]
 
-    def _query(self, u: torch.Tensor, cos, sin, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """u [T, H] -> (normed, roped queries [T, Ni, di], raw keys [T, di])."""
+    def _query(self, u: torch.Tensor, cos, sin, ri: bool, qk=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [T, H] (or its projection qk, given) -> (normed, roped queries [T, Ni, di], raw keys [T, di])."""
         T = u.shape[0]
-        qk = linear(u, self.index_qk_proj.weight, ri)
+        if qk is None:
+            qk = linear(u, self.index_qk_proj.weight, ri)
         q = qk[:, : self.ni * self.di].view(T, self.ni, self.di)
         q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
         return q, qk[:, self.ni * self.di :]
 
-    def decode(self, u, batch: DecodeBatch, cos, sin, attn_index: int, inv_f: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, u, batch: DecodeBatch, cos, sin, attn_index: int, inv_f: torch.Tensor, qk=None
+    ) -> torch.Tensor:
         """Selected token ids [B, block_topk*c + c] int32 (-1 = none) of each decode row. Stores the
         row's raw key in its slot's open block, and the block's compressed key once it completes."""
-        q, raw = self._query(u, cos, sin, True)
+        q, raw = self._query(u, cos, sin, True, qk)
         c, B, pos, cache = self.c, u.shape[0], batch.positions, batch.cache
         tail_plane = cache.index_tail_plane(attn_index)  # [S, c-1, di]
         r = pos % c  # the row's place in its block
@@ -73,10 +76,10 @@ class Indexer(nn.Module):
         return select_decode_tokens(scores, n_blocks, pos, c, self.topk)
 
     def forward(
-        self, u, batch: ForwardBatch, cos, sin, attn_index: int, inv_f: torch.Tensor
+        self, u, batch: ForwardBatch, cos, sin, attn_index: int, inv_f: torch.Tensor, qk=None
     ) -> list[list[torch.Tensor]]:
         """Selected token ids for every row, grouped by chunk. Updates block keys and the open tail."""
-        q, raw = self._query(u, cos, sin, batch.row_invariant)
+        q, raw = self._query(u, cos, sin, batch.row_invariant, qk)
         c = self.c
         selected = []
         for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
@@ -112,19 +115,27 @@ class QSAttention(nn.Module):
         self.q_norm = Weight(self.d)
         self.k_norm = Weight(self.d)
         self.indexer = Indexer(cfg)
+        self.in_proj: torch.Tensor | None = None  # q|k|v|indexer qk stacked by fuse()
 
-    def _qkv(self, u: torch.Tensor, cos, sin, ri: bool):
+    def fuse(self) -> None:
+        self.in_proj = fuse_rows(self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
+
+    def _project(self, u: torch.Tensor, ri: bool):
+        """u [T, H] -> (q|gate, k, v, indexer qk) projections; one GEMV when fused."""
+        parts = (self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
+        if self.in_proj is not None:
+            return linear(u, self.in_proj, ri).split([p.weight.shape[0] for p in parts], dim=-1)
+        return tuple(linear(u, p.weight, ri) for p in parts)
+
+    def _qkv(self, u: torch.Tensor, cos, sin, ri: bool, proj=None):
         """u [T, H] -> (q [T, Nq, D], gate [T, Nq*D], k, v [T, Nkv, D]); q and k normed and roped."""
         T = u.shape[0]
-        qg = linear(u, self.q_proj.weight, ri).view(T, self.nq, 2 * self.d)
+        qg, k, v, _ = proj if proj is not None else self._project(u, ri)
+        qg = qg.reshape(T, self.nq, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :].reshape(T, self.nq * self.d)
         q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
-        k = rms_norm(
-            linear(u, self.k_proj.weight, ri).view(T, self.nkv, self.d), self.k_norm.weight, self.eps
-        )
-        k = apply_rope(k, cos, sin)
-        v = linear(u, self.v_proj.weight, ri).view(T, self.nkv, self.d)
-        return q, gate, k, v
+        k = apply_rope(rms_norm(k.reshape(T, self.nkv, self.d), self.k_norm.weight, self.eps), cos, sin)
+        return q, gate, k, v.reshape(T, self.nkv, self.d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, ri: bool) -> torch.Tensor:
         o = o.reshape(o.shape[0], self.nq * self.d) * rowwise(torch.sigmoid, gate, ri)
@@ -132,8 +143,9 @@ class QSAttention(nn.Module):
 
     def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, inv_f) -> torch.Tensor:
         ri = batch.row_invariant
-        selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f)
-        q, gate, k, v = self._qkv(u, cos, sin, ri)
+        proj = self._project(u, ri)
+        selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f, qk=proj[3])
+        q, gate, k, v = self._qkv(u, cos, sin, ri, proj)
         outs = []
         for chunk, (s, e), sel in zip(batch.chunks, batch.spans(), selected, strict=True):
             chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
@@ -142,8 +154,9 @@ class QSAttention(nn.Module):
         return self._output(torch.cat(outs, dim=0), gate, ri)
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, inv_f) -> torch.Tensor:
-        tokens = self.indexer.decode(u, batch, cos, sin, self.attn_index, inv_f)
-        q, gate, k, v = self._qkv(u, cos, sin, True)
+        proj = self._project(u, True)
+        tokens = self.indexer.decode(u, batch, cos, sin, self.attn_index, inv_f, qk=proj[3])
+        q, gate, k, v = self._qkv(u, cos, sin, True, proj)
         batch.cache.write_kv(self.attn_index, k, v)
         view = batch.cache.kv_view(self.attn_index)
         o = paged_sparse_attention(q, view.k, view.v, view.block_table, tokens, self.scaling)

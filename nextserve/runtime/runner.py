@@ -138,12 +138,32 @@ class ModelRunner:
                 results += [ChunkResult(ch, error=_describe(exc)) for ch in plan.decodes]
         if not sample_chunks:
             return results
-        logits = torch.cat(logits).float().cpu()
-        for ch, row in zip(sample_chunks, logits, strict=True):
+        return results + self._sample(sample_chunks, torch.cat(logits))
+
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[ChunkResult]:
+        """Tokens of the rows of logits [R, V] (on the model's device).
+
+        # NOTE: plain greedy rows (no logprobs, no grammar) take their argmax on the device and move
+        # one id each; the others move their whole row to the CPU sampler. argmax returns the first
+        # maximal index on every device, so both give the same token for the same logits."""
+        plain = [i for i, ch in enumerate(chunks) if _plain_greedy(ch)]
+        rest = [i for i in range(len(chunks)) if i not in set(plain)]
+        tokens = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
+        rows = dict(zip(rest, logits[rest].float().cpu(), strict=True)) if rest else {}
+        results = []
+        for i, ch in enumerate(chunks):
+            if i in tokens:
+                results.append(ChunkResult(ch, tokens[i]))
+                continue
             try:
-                token, lp = sample_row(row, ch.seq.params, ch.seq.generator, ch.seq.constraint)
+                token, lp = sample_row(rows[i], ch.seq.params, ch.seq.generator, ch.seq.constraint)
             except Exception as exc:  # noqa: BLE001 - e.g. a broken grammar: that request only
                 results.append(ChunkResult(ch, error=_describe(exc)))
                 continue
             results.append(ChunkResult(ch, token, lp))
         return results
+
+
+def _plain_greedy(ch: Chunk) -> bool:
+    p = ch.seq.params
+    return p.greedy and p.logprobs is None and ch.seq.constraint is None

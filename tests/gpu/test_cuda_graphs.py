@@ -16,7 +16,7 @@ SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_k=40, seed=7, ignore
 
 def _prompts(n: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(8, 500, (int(k),), generator=g).tolist() for k in torch.randint(3, 150, (n,))]
+    return [torch.randint(8, 250, (int(k),), generator=g).tolist() for k in torch.randint(3, 150, (n,))]
 
 
 def _flags(dtype: str, **kw) -> dict:
