@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.batch import KVView
 from .kv_pool import KVPool, PoolExhausted
 from .states import StateSlots
 
@@ -164,6 +165,10 @@ class SequenceCache:
         self._own_pages(first_block * c // P, last_block * c // P)
         blocks = torch.arange(first_block, last_block + 1, device=self.pool.k.device)
         self.pool.block_keys[attn_index, self._table()[blocks // bpp], blocks % bpp] = keys
+
+    def kv_view(self, attn_index: int) -> KVView:
+        pool, table = self.pool, self._table().to(torch.int32)[None]  # [1, pages]
+        return KVView(pool.k[attn_index], pool.v[attn_index], pool.block_keys[attn_index], table)
 
     def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
         table = self._table()[: -(-n_blocks // self.pool.blocks_per_page)]

@@ -11,6 +11,17 @@ from typing import Protocol
 import torch
 
 
+@dataclass(frozen=True)
+class KVView:
+    """One attention layer's paged planes as the decode ops read them: K, V [pages, P, Nkv, D],
+    compressed indexer keys [pages, P // c, di], and each row's block table [B, max_pages] int32."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_keys: torch.Tensor
+    block_table: torch.Tensor
+
+
 class SeqCache(Protocol):
     """One sequence's state as the model sees it. Indices are per layer kind (gdn / ple / attention)."""
 
@@ -42,6 +53,10 @@ class SeqCache(Protocol):
         """Compressed indexer keys [n_blocks, di] of blocks 0 .. n_blocks-1."""
         ...
 
+    def kv_view(self, attn_index: int) -> KVView:
+        """The layer's paged planes with this sequence's block table as one row [1, pages]."""
+        ...
+
 
 @dataclass
 class SeqChunk:
@@ -71,17 +86,6 @@ class ForwardBatch:
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
-
-
-@dataclass(frozen=True)
-class KVView:
-    """One attention layer's paged planes as the decode ops read them: K, V [pages, P, Nkv, D],
-    compressed indexer keys [pages, P // c, di], and each row's block table [B, max_pages] int32."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    block_keys: torch.Tensor
-    block_table: torch.Tensor
 
 
 class DecodeCache(Protocol):

@@ -4,18 +4,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.attention import (
-    index_scores,
-    paged_sparse_attention,
-    select_decode_tokens,
-    select_tokens,
-    sparse_attention,
-)
+from ..ops.attention import index_scores, paged_sparse_attention, select_decode_tokens
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
 from ..ops.rope import apply_rope, cos_sin
-from .batch import DecodeBatch, ForwardBatch
+from .batch import DecodeBatch, ForwardBatch, KVView
 from .params import Weight, fuse_rows
 
 
@@ -69,11 +63,20 @@ class Indexer(nn.Module):
         # key only where r == c-1, and a placeholder elsewhere that the completion overwrites.
         cache.write_block_key(attn_index, self.block_key(block, pos - r, inv_f, True))
         tail_plane.index_copy_(0, cache.slots, block[:, : c - 1])
-        n_blocks = torch.div(pos + 1, c, rounding_mode="floor")
-        view = cache.kv_view(attn_index)
-        max_blocks = view.block_table.shape[1] * view.block_keys.shape[1]
-        scores = index_scores(q, view.block_keys, view.block_table, n_blocks, max_blocks)
-        return select_decode_tokens(scores, n_blocks, pos, c, self.topk)
+        return self._select(q, pos, cache.kv_view(attn_index))
+
+    def _select(self, q: torch.Tensor, positions: torch.Tensor, view: KVView) -> torch.Tensor:
+        """Token ids [T, block_topk*c + c] int32 (-1 = none) each query row attends to: the top blocks
+        by indexer score among those complete at its position, then its open block.
+
+        # NOTE: prefill rows and decode rows select with these same ops, row by row (C1)."""
+        T, table = q.shape[0], view.block_table
+        if table.shape[0] != T:  # one sequence's prefill rows share its table
+            table = table.expand(T, -1).contiguous()
+        n_blocks = torch.div(positions + 1, self.c, rounding_mode="floor")
+        max_blocks = table.shape[1] * view.block_keys.shape[1]
+        scores = index_scores(q, view.block_keys, table, n_blocks, max_blocks)
+        return select_decode_tokens(scores, n_blocks, positions, self.c, self.topk)
 
     def forward(
         self, u, batch: ForwardBatch, cos, sin, attn_index: int, inv_f: torch.Tensor, qk=None
@@ -95,9 +98,7 @@ class Indexer(nn.Module):
                 chunk.cache.write_block_keys(attn_index, first_block, self.block_key(blocks, starts, inv_f))
             rest = keys[n_new * c :]
             tail[: rest.shape[0]].copy_(rest)
-            block_keys = chunk.cache.read_block_keys(attn_index, end // c)
-            positions = list(range(chunk.start, end))
-            selected.append(select_tokens(q[s:e], block_keys, positions, c, self.topk))
+            selected.append(self._select(q[s:e], batch.positions[s:e], chunk.cache.kv_view(attn_index)))
         return selected
 
 
@@ -147,10 +148,11 @@ class QSAttention(nn.Module):
         selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f, qk=proj[3])
         q, gate, k, v = self._qkv(u, cos, sin, ri, proj)
         outs = []
-        for chunk, (s, e), sel in zip(batch.chunks, batch.spans(), selected, strict=True):
+        for chunk, (s, e), tokens in zip(batch.chunks, batch.spans(), selected, strict=True):
             chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
-            k_all, v_all = chunk.cache.read_kv(self.attn_index, chunk.start + chunk.n)
-            outs.append(sparse_attention(q[s:e], k_all, v_all, sel, self.scaling))
+            view = chunk.cache.kv_view(self.attn_index)
+            table = view.block_table.expand(e - s, -1).contiguous()
+            outs.append(paged_sparse_attention(q[s:e], view.k, view.v, table, tokens, self.scaling))
         return self._output(torch.cat(outs, dim=0), gate, ri)
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, inv_f) -> torch.Tensor:

@@ -4,6 +4,8 @@ import torch
 
 from .norms import l2_norm
 
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def gated_delta_rule(
     q: torch.Tensor,
@@ -20,7 +22,28 @@ def gated_delta_rule(
 
     # NOTE: each token is one step of S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q, so a verify
     # window gives every row the bits serial decode gives it.
+    # On CUDA (bf16/fp16/fp32) this is one Triton launch (ops/triton/gdn_chunk.py) running the decode
+    # kernel's per-token code with the state tile in registers, so there too a token of a chunk gets the
+    # bits of serial decode steps (recurrent_step; tests/ops/test_gdn_chunk.py checks it); elsewhere it
+    # is this loop, the kernel's reference.
     """
+    if q.is_cuda and q.dtype in _TRITON_DTYPES and k.dtype in _TRITON_DTYPES and v.dtype in _TRITON_DTYPES:
+        from .triton.gdn_chunk import triton_gated_delta_rule
+
+        return triton_gated_delta_rule(q, k, v, g, beta, state)
+    return gated_delta_rule_reference(q, k, v, g, beta, state)
+
+
+def gated_delta_rule_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule` as the token-by-token torch loop on any device (the CPU path, the kernel's
+    reference)."""
     out_dtype = v.dtype
     Hk, Hv = k.shape[1], v.shape[1]
     if Hk != Hv:
@@ -39,9 +62,6 @@ def gated_delta_rule(
         S = S + k[t][:, :, None] * delta[:, None, :]
         outs.append((S * q[t][:, :, None]).sum(dim=-2))
     return torch.stack(outs).to(out_dtype), S
-
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def recurrent_step(

@@ -31,7 +31,9 @@ def experts(
     # NOTE: contributions are added in ascending expert order, one expert at a time, as the
     # reference model does; in row-invariant mode each row's projections are calls of their own.
     # On CUDA (not float64) the row-invariant path is two Triton kernels (ops/triton/moe_decode.py)
-    # with no host reads; `_experts_by_row` is their reference.
+    # with no host reads; `_experts_by_row` is their reference. On CUDA (not float64) the grouped path
+    # is a deterministic Triton grouped GEMM (ops/triton/moe_prefill.py), also free of host reads; the
+    # per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the CPU path.
     """
     if row_invariant:
         if x.is_cuda and x.dtype in _TRITON_DTYPES:
@@ -39,12 +41,22 @@ def experts(
 
             return routed_experts(x, weights, ids, gate_up, down)
         return _experts_by_row(x, weights, ids, gate_up, down)
+    if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        from .triton.moe_prefill import grouped_experts
+
+        return grouped_experts(x, weights, ids, gate_up, down)
+    return _experts_by_expert(x, weights, ids, gate_up, down)
+
+
+def _experts_by_expert(x, weights, ids, gate_up, down) -> torch.Tensor:
+    """Grouped experts, one expert at a time in ascending id (a host sync an expert): the CPU path, and
+    the reference of the CUDA grouped GEMM."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
-        h = linear(x[tok], gate_up[e], row_invariant)
+        h = linear(x[tok], gate_up[e], False)
         g, u = h.chunk(2, dim=-1)
-        y = linear(rowwise(F.silu, g, row_invariant) * u, down[e], row_invariant)
+        y = linear(rowwise(F.silu, g, False) * u, down[e], False)
         out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
     return out
 

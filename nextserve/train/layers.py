@@ -81,7 +81,8 @@ def indexer_selection(
         visible = torch.arange(nb, device=device)[None, :] < n_vis[:, None]  # [T, nb]
         scores = scores.masked_fill(~visible, -torch.inf)
         kk = min(ix.topk, nb)
-        top = scores.topk(kk, dim=-1).indices
+        # NOTE: ties (relu scores of exactly 0) go to the lower block, as in serving (ops/attention.py).
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kk]
         chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=device).scatter_(-1, top, True)
         chosen = chosen & visible  # rows with < topk visible blocks take them all
         tok_sel = chosen.repeat_interleave(c, dim=-1)  # [B, T, nb*c]

@@ -1,4 +1,6 @@
-"""The row-invariant Triton GEMM against its reference (F.linear) and against itself at other M."""
+"""The row-invariant Triton GEMM against its reference (F.linear) and against itself at other M, on
+shapes with one K split and with several (small N: (4, 10240), (1, 2560), (48, 2560), (320, 10240)),
+and inside a CUDA graph."""
 
 import pytest
 import torch
@@ -12,7 +14,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(257, 320), (2560, 10240), (640, 2560), (4, 2560)])
+@pytest.mark.parametrize(
+    "shape",
+    [(257, 320), (2560, 10240), (640, 2560), (4, 2560), (4, 10240), (1, 2560), (48, 2560), (320, 10240),
+     (2560, 6144), (6144, 2560), (2560, 640), (10240, 320)],
+)  # fmt: skip
 def test_matches_reference_and_rows_are_invariant(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     from nextserve.ops.triton.gemv import small_m_linear
 
@@ -29,3 +35,28 @@ def test_matches_reference_and_rows_are_invariant(dtype: torch.dtype, shape: tup
         assert torch.equal(part, full[:m]), m
     for i in (0, 7, 39):  # a row alone, from an unaligned view
         assert torch.equal(small_m_linear(x[i : i + 1], w)[0], full[i])
+
+
+@pytest.mark.parametrize("shape", [(4, 10240), (10240, 320)])  # several splits; one
+def test_config_and_cuda_graph(shape: tuple[int, int]) -> None:
+    """The split count comes from the weight alone, and a captured call replays to the same bits."""
+    from nextserve.ops.triton.gemv import _config, small_m_linear
+
+    N, K = shape
+    assert (_config(N, K, torch.bfloat16).splits > 1) == (N == 4)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    x = torch.randn(8, K, device="cuda").to(torch.bfloat16)
+    eager = small_m_linear(x, w)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        small_m_linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = small_m_linear(x, w)
+    x.copy_(torch.randn(8, K, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, small_m_linear(x, w))
+    assert not torch.equal(out, eager)

@@ -10,6 +10,9 @@ Reference: `nextserve.ops.gdn.recurrent_step` on the CPU, a per-row loop over `g
 # depend on the head sizes only, never on the row count, which only sizes the grid. So a row's output
 # and its slot's new state are the same bits whatever rows are beside it and however many there are
 # (C1) - by construction. Slots are distinct, so no two programs touch the same state tile.
+# The per-token arithmetic is `gdn_token`, shared with the prefill kernel (ops/triton/gdn_chunk.py), which
+# runs it for every token of a chunk with the same tile sizes and warp count, so a token gets the same
+# bits from a prefill chunk as from this decode step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,26 @@ import triton.language as tl
 BLOCK_V = 32
 NUM_WARPS = 4
 EPS = 1e-6  # as ops.norms.l2_norm
+
+
+@triton.jit
+def gdn_token(q, k, v, g, beta, S, scale, eps):
+    """One token of the gated delta rule on one program's state tile, all in float32: q, k [BLOCK_K] (raw,
+    L2-normalised here, q scaled), v [BLOCK_V], g, beta scalars, S [BLOCK_K, BLOCK_V] float32.
+    Returns (o [BLOCK_V] float32, new S). Masked lanes must come in as zeros (they stay zeros)."""
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    v = v.to(tl.float32)
+    g = g.to(tl.float32)
+    beta = beta.to(tl.float32)
+    S = S * tl.exp(g)
+    kv_mem = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
+    delta = (v - kv_mem) * beta
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0)
+    return o, S
 
 
 @triton.jit
@@ -38,22 +61,16 @@ def _gdn_step(
     rv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mk = rk < DK
     mv = rv < DV
-    q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + rk, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + rk, mask=mk, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + rv, mask=mv, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * stride_gb + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * stride_betab + h).to(tl.float32)
+    q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + rk, mask=mk, other=0.0)
+    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + rk, mask=mk, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + rv, mask=mv, other=0.0)
+    g = tl.load(g_ptr + b * stride_gb + h)
+    beta = tl.load(beta_ptr + b * stride_betab + h)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + rk[:, None] * stride_sk + rv[None, :] * stride_sv
     smask = mk[:, None] & mv[None, :]
     S = tl.load(s_ptrs, mask=smask, other=0.0)  # [BLOCK_K, BLOCK_V] float32
-    S = S * tl.exp(g)
-    kv_mem = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
-    delta = (v - kv_mem) * beta
-    S = S + k[:, None] * delta[None, :]
-    o = tl.sum(S * q[:, None], axis=0)
+    o, S = gdn_token(q, k, v, g, beta, S, scale, eps)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
     tl.debug_barrier()  # NOTE: every load of the tile is done before it is overwritten in place
     tl.store(s_ptrs, S, mask=smask)

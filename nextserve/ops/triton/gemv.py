@@ -1,65 +1,170 @@
 """Row-invariant small-M GEMM (decode, batched decode, verify windows) for CUDA.
 
-# NOTE: every row is computed by the same instruction sequence whatever M is: rows are padded to a
-# fixed block of 16, the K loop runs in fixed BLOCK_K tiles in order, and one compiled kernel serves
-# every M (M is not a compile-time constant). A tensor-core MMA gives an output element from its own
-# row of A and column of B, so a row's bits never depend on the rows beside it (C1) - by construction,
-# where cuBLAS may pick its algorithm (and split-K) from M.
+# NOTE: why a row's bits never depend on M or on the rows beside it (C1):
+# - the launch configuration (BLOCK_N, BLOCK_K, the split count and K range of each split, num_warps,
+#   num_stages) is a function of (N, K, dtype) alone (`_config`), never of M or of the data; M is
+#   `do_not_specialize`, so one compiled kernel serves every M (Triton would otherwise compile M == 1
+#   as a constant). There is no separate M == 1 path;
+# - rows are padded to a fixed block of BLOCK_M = 16 and multiplied with tl.dot. A tensor-core MMA (or
+#   the float32 FMA dot) computes an output element from its own row of x and column of W only, by the
+#   same arithmetic at every row position of the block: padded rows are zeros that never enter a real
+#   row's sum, and the same instruction sequence runs whether 1 or 16 rows are real;
+# - split s of S accumulates its own fixed K range, BLOCK_K tile after tile in ascending order, in
+#   float32. With S > 1 the partials go to a float32 workspace [S, M, N] and a second kernel adds them
+#   elementwise in the fixed order split 0, 1, ..., S-1 (unrolled adds, no tree, no atomics) and rounds
+#   once to the output dtype; with S == 1 the accumulator is rounded and stored directly (one launch);
+# - M changes only how many row blocks are launched and where a row's results are stored, not what is
+#   computed for it. Pointer-alignment specialisation (an unaligned view of x) changes load widths, not
+#   the loaded values or the arithmetic.
+# cuBLAS, in contrast, may pick its algorithm (and split-K) from M.
+# NOTE: speed. Decode streams the weights: one pass over W at M <= 16; the row blocks of a weight tile
+# are launched side by side (program id 0 runs fastest over row blocks), so at M = 17..48 the other row
+# blocks re-read the tile from L2, not HBM. A grid of cdiv(N, 32) programs, each over all of K, gives
+# 1..20 programs on 132 SMs for N <= 640, so: BLOCK_N drops to 16 when there would be fewer than
+# TARGET_PROGRAMS (2 per SM of a 132-SM H100/H200) 32-wide tiles, and K is split into enough ranges to
+# reach TARGET_PROGRAMS (at most one per BLOCK_K tile), unless the loop is shorter than
+# MIN_SPLIT_K_TILES tiles, not worth the second launch. BLOCK_K keeps each weight tile at 8 KiB, with
+# num_stages - 1 tiles in flight per program. benchmarks/bench_small_m_gemm.py --sweep measures the
+# alternatives.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_M = 16
+TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
+TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
+MIN_SPLIT_K_TILES = 8  # K is split only when the unsplit loop would run this many tiles or more
+REDUCE_BLOCK = 256
 
 
-@triton.jit
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    splits: int  # K splits (1: no workspace, one launch)
+    split_tiles: int  # BLOCK_K tiles per split (the last split may get fewer)
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _config(N: int, K: int, dtype: torch.dtype) -> Config:
+    """The launch configuration for an [N, K] weight: a function of (N, K, dtype) only (it sets the
+    numerics: a row's bits are fixed for a given config, whatever M)."""
+    block_n = 32 if triton.cdiv(N, 32) >= TARGET_PROGRAMS else 16
+    block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
+    return Config(block_n, block_k, *_splits(N, K, block_n, block_k), num_warps=4, num_stages=4)
+
+
+def _splits(N: int, K: int, block_n: int, block_k: int, want: int | None = None) -> tuple[int, int]:
+    """(splits, K tiles per split) for about `want` splits (default: the fewest that launch
+    TARGET_PROGRAMS programs, at most one per K tile, and none for fewer than MIN_SPLIT_K_TILES K
+    tiles); no split is empty."""
+    n_tiles, k_tiles = triton.cdiv(N, block_n), max(1, triton.cdiv(K, block_k))
+    if want is None:
+        # a short K loop is not worth the second launch (about 2 us in a CUDA graph)
+        want = triton.cdiv(TARGET_PROGRAMS, n_tiles) if k_tiles >= MIN_SPLIT_K_TILES else 1
+    splits = triton.cdiv(k_tiles, max(1, k_tiles // max(1, want)))
+    tiles = triton.cdiv(k_tiles, splits)  # spread the remainder over the splits
+    return triton.cdiv(k_tiles, tiles), tiles
+
+
+@triton.jit(do_not_specialize=["M"])
 def _small_m_gemm(
-    x_ptr, w_ptr, y_ptr, M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT,
+    stride_xm, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
+    [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
+    partial to out[split, rows, cols] (a [S, M, N] workspace); else round and store to out[rows, cols]."""
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % m_blocks
+    pid_n = pid // m_blocks
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    mask_m = rm[:, None] < M
+    mask_n = rn[None, :] < N
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + rk[None, :],
-            mask=(rm[:, None] < M) & (rk[None, :] < K),
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + rn[None, :] * stride_wn + rk[:, None],
-            mask=(rn[None, :] < N) & (rk[:, None] < K),
-            other=0.0,
-        )
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptrs, mask=mask_m & (kk[None, :] < k_hi), other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_s.to(tl.int64) * M * N + offs, acc, mask=mask_m & mask_n)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _sum_splits(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = ((ws[0, i] + ws[1, i]) + ws[2, i]) + ... in float32, rounded once to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):  # unrolled: all loads in flight, the adds in split order
+        acc += tl.load(ws_ptr + s * MN.to(tl.int64) + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def small_m_linear(
-    x: torch.Tensor, weight: torch.Tensor, block_n: int = 32, block_k: int = 128
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    *,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant; accumulates in float32.
-    The tile sizes are part of the numerics: a row's bits are fixed for a given (block_n, block_k)."""
+    """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
+    capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
+    (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
+    `splits` asks for about that many K splits (rounded so that no split is empty)."""
     x = x.contiguous()
     weight = weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]
+    assert weight.shape[1] == K, (x.shape, weight.shape)
+    cfg = _config(N, K, x.dtype)
+    bn = block_n or cfg.block_n
+    bk = block_k or cfg.block_k
+    if splits is None and (bn, bk) == (cfg.block_n, cfg.block_k):
+        s, tiles = cfg.splits, cfg.split_tiles
+    else:
+        s, tiles = _splits(N, K, bn, bk, want=splits)
+    warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, BLOCK_M))
+    if M == 0 or N == 0:
+        return y
+    out = y if s == 1 else torch.empty((s, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, bn), s)
     _small_m_gemm[grid](
-        x, weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        x, weight, out, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if s > 1:
+        _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](out, y, M * N, SPLITS=s, BLOCK=REDUCE_BLOCK)
     return y

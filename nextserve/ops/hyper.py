@@ -1,0 +1,50 @@
+"""Hyper-connection elementwise ops: the mixer's low-rank activation, the stream mix, the injection.
+
+# On CUDA (bf16/fp16/fp32, one dtype) each is one fused Triton kernel (ops/triton/hyper.py): the mixer's
+# sigmoid is folded into the stream mix and the injection gate 2 sigmoid(v / n) into the injection, both
+# row-invariant by construction. The torch code below is their reference (and the CPU path).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .pointwise import rowwise
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_ok(*ts: torch.Tensor) -> bool:
+    return ts[0].is_cuda and ts[0].dtype in _TRITON_DTYPES and all(t.dtype == ts[0].dtype for t in ts)
+
+
+def scaled_silu(v: torch.Tensor, n: int, row_invariant: bool = False) -> torch.Tensor:
+    """silu(v / n): the mixer's low-rank activation."""
+    if _triton_ok(v):
+        from .triton.hyper import triton_scaled_silu
+
+        return triton_scaled_silu(v, n)
+    return rowwise(F.silu, v / n, row_invariant)
+
+
+def mix_streams(
+    logits: torch.Tensor, xn: torch.Tensor, n: int, hidden: int, row_invariant: bool = False
+) -> torch.Tensor:
+    """Block input u [T, H] = mean over the n streams of sigmoid(logits) * xn; logits, xn [T, n*H]."""
+    if _triton_ok(logits, xn) and logits.shape == xn.shape:
+        from .triton.hyper import triton_mix_streams
+
+        return triton_mix_streams(logits, xn, n, hidden, sigmoid=True)
+    gate = rowwise(torch.sigmoid, logits, row_invariant)  # [T, nH]
+    return (gate.unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))).mean(dim=-2)
+
+
+def inject(
+    x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, n: int, row_invariant: bool = False
+) -> torch.Tensor:
+    """X_s + inj_s * y per stream, inj = 2 sigmoid(v / n): x [T, n*H], block output y [T, H], v [T, n]."""
+    if _triton_ok(x, y, v):
+        from .triton.hyper import triton_inject
+
+        return triton_inject(x, y, v, n, from_logits=True)
+    inj = 2 * rowwise(torch.sigmoid, v / n, row_invariant)  # [T, n]
+    return x + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)

@@ -1,0 +1,105 @@
+"""The row-invariant Triton small-M GEMM (ops/triton/gemv.py) on small shapes, with one split and with
+several: against float64 F.linear, and each row against itself at other M. Without a GPU the kernels
+run in Triton's interpreter on the CPU (float32/float16: the interpreter's bfloat16 is broken); the
+bfloat16 tests at real widths are tests/gpu/test_small_m_gemm.py."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from nextserve.ops.triton.gemv import MIN_SPLIT_K_TILES, TARGET_PROGRAMS, _config, small_m_linear
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+small = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="no Triton backend")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+# (N, K, splits asked for): None is the automatic configuration
+CASES = [
+    (4, 2048, None),  # N below one tile, K split into one tile per split (8 or 16 splits)
+    (33, 64, None),  # one split, one partial K tile, a partial N tile
+    (40, 300, 1),  # one split, three K tiles (the last partial)
+    (40, 300, 2),  # two uneven splits: the last one shorter, its tile partial
+    (24, 1100, 3),  # three splits of several tiles each
+]
+
+
+def _problem(M: int, N: int, K: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(device=DEV, dtype=dtype)
+    x = torch.randn(M, K, generator=g).to(device=DEV, dtype=dtype)
+    return x, w
+
+
+def test_config_is_a_function_of_the_weight_and_fills_the_device() -> None:
+    """The decode shapes at real size: enough programs (or a split per K tile, or too short a K loop to
+    split), no empty split; `_config` takes no M, so no choice can depend on it."""
+    shapes = [(248320, 2560), (10240, 2560), (6144, 2560), (48, 2560), (2560, 6144), (12288, 2560),
+              (512, 2560), (640, 2560), (2560, 2560), (320, 10240), (10240, 320), (4, 10240),
+              (2560, 640), (1, 2560)]  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for N, K in shapes:
+            c = _config(N, K, dtype)
+            k_tiles = triton.cdiv(K, c.block_k)
+            assert c.splits * c.split_tiles >= k_tiles > (c.splits - 1) * c.split_tiles, (N, K, c)
+            programs = triton.cdiv(N, c.block_n) * c.splits
+            assert programs >= TARGET_PROGRAMS or c.splits == k_tiles or k_tiles < MIN_SPLIT_K_TILES
+            assert c.block_n * c.block_k * dtype.itemsize <= 8192
+    assert _config(4, 10240, torch.bfloat16).splits > 1 and _config(248320, 2560, torch.bfloat16).splits == 1
+
+
+@small
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N,K,splits", CASES)
+def test_matches_reference(dtype: torch.dtype, N: int, K: int, splits: int | None) -> None:
+    x, w = _problem(20, N, K, dtype, seed=N + K)
+    y = small_m_linear(x, w, splits=splits)
+    assert y.dtype == dtype and y.shape == (20, N)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+
+
+def test_cases_cover_one_and_several_splits() -> None:
+    assert _config(4, 2048, torch.float16).splits > 1 and _config(4, 2048, torch.float32).splits > 1
+    assert _config(33, 64, torch.float16).splits == _config(33, 64, torch.float32).splits == 1
+
+
+@pytest.fixture
+def row_independent_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the interpreter, make tl.dot give each output element from its own row and column by one
+    fixed computation, as a GPU MMA does.
+    # NOTE: the interpreter's tl.dot is np.matmul, i.e. the CPU BLAS, whose kernels round a row
+    # differently by its position in the tile (rows 6-11 of 16 on some CPUs); that is the emulator's
+    # property, not the kernel's, so the invariance of the kernel's own structure (tiling, splits,
+    # their fixed-order sum, masks, M) is checked with a dot that has none (exact products of the
+    # float32-widened inputs, added over k in order). The MMA itself is checked on the GPU."""
+    if not INTERPRET:
+        return
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        prod = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
+        acc = d.data.copy()
+        for k in range(prod.shape[1]):
+            acc += prod[:, k, :]
+        return TensorHandle(acc, d.dtype.scalar)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
+
+
+@small
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N,K,splits", [(4, 2048, None), (40, 300, 1), (40, 300, 2)])
+def test_rows_are_invariant(
+    row_independent_dot: None, dtype: torch.dtype, N: int, K: int, splits: int | None
+) -> None:
+    x, w = _problem(20, N, K, dtype, seed=7)
+    full = small_m_linear(x, w, splits=splits)
+    for i in (5, 16, 19):  # a row alone, from a view (at an odd row: unaligned for K = 300 fp16)
+        assert torch.equal(small_m_linear(x[i : i + 1], w, splits=splits)[0], full[i]), i
+    for a, b in [(0, 17), (3, 20)]:  # sub-batches, across the 16-row block boundary
+        assert torch.equal(small_m_linear(x[a:b].clone(), w, splits=splits), full[a:b]), (a, b)
+    assert small_m_linear(x[:0], w, splits=splits).shape == (0, N)
