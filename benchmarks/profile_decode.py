@@ -73,6 +73,43 @@ def host_profile(engine, steps: int, top: int = 15) -> list[dict]:
     ]
 
 
+def prefill_table(engine, prompt: list[int], top: int) -> dict:
+    """Two prefills of `prompt` (the first warms up): the second's wall time and kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for attempt in ("warm", "profiled"):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        seq = engine.sequences[rid]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if attempt == "warm":
+            while not seq.output_ids:
+                engine.step()
+            out["warm_ttft_s"] = round(time.perf_counter() - t, 3)
+        else:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                while not seq.output_ids:
+                    engine.step()
+                torch.cuda.synchronize()
+            out["profiled_ttft_s"] = round(time.perf_counter() - t, 3)
+        while engine.has_unfinished():
+            engine.step()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    out["kernels"] = sum(r[1] for r in rows)
+    out["kernel_us_total"] = round(sum(r[0] for r in rows), 1)
+    out["top"] = [{"us": round(t, 1), "count": n, "name": k[:120]} for t, n, k in rows[:top]]
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    out["top_host_ops"] = [
+        {"op": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 2)} for e in cpu
+    ]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-next")
@@ -82,6 +119,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prefill", action="store_true", help="also profile a prefill of --prompt-len tokens")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -143,6 +181,9 @@ def main() -> None:
             engine.abort(s.request_id)
         while engine.has_unfinished():
             engine.step()
+    if args.prefill:
+        prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+        out["prefill"] = prefill_table(engine, prompt, args.top)
     print(json.dumps(out, indent=1))
 
 

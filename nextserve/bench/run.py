@@ -184,7 +184,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     res["engine"] = {
         **engine_flags,
         "path": "LLMEngine.step(): Scheduler.schedule -> ModelRunner.execute -> update (what LLM.generate "
-        "runs); reference ops (nextserve/ops), row-invariant decode, no kernels, no CUDA graphs",
+        "runs); on CUDA the Triton kernels of nextserve/ops/triton, row-invariant decode, decode steps "
+        + ("replayed as CUDA graphs" if args.cuda_graph else "run eagerly (--no-cuda-graph)"),
     }
     ns: dict[str, Any] = {"prefill": [], "decode": []}
     res["nextserve"] = ns

@@ -10,9 +10,22 @@ from .pointwise import rowwise
 def route(
     logits: torch.Tensor, top_k: int, normalize: bool, row_invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (model dtype) -> (weights [T, k] model dtype, expert ids [T, k])."""
+    """logits [T, E] (model dtype) -> (weights [T, k] model dtype, expert ids [T, k] int64).
+
+    The k largest softmax probabilities (float32) in descending order, ties to the lower expert index
+    (torch.topk leaves the order of ties to the implementation), divided by their sum if `normalize`.
+
+    # NOTE: on CUDA (bf16/fp16/fp32) this is one Triton launch (ops/triton/route.py), row-invariant by
+    # construction and free of host reads; the code below (a stable descending sort, the first k) is its
+    # reference and the CPU path, and train/layers.py routes by the same rule.
+    """
+    if logits.is_cuda and logits.dtype in _TRITON_DTYPES:
+        from .triton.route import triton_route
+
+        return triton_route(logits, top_k, normalize)
     probs = rowwise(lambda t: torch.softmax(t, dim=-1, dtype=torch.float), logits, row_invariant)
-    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    top_i = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :top_k].contiguous()
+    top_w = probs.gather(-1, top_i)
     if normalize:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w.to(logits.dtype), top_i

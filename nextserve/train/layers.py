@@ -156,7 +156,9 @@ def moe_forward(m: SparseMoe, u: torch.Tensor, aux: dict | None = None) -> torch
     E = m.gate.weight.shape[0]
     logits = F.linear(x, m.gate.weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    top_w, top_i = torch.topk(probs, m.top_k, dim=-1)
+    # ties to the lower expert index, as ops/moe.route on every device (torch.topk leaves their order open)
+    top_i = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., : m.top_k].contiguous()
+    top_w = probs.gather(-1, top_i)
     if m.norm_topk:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     top_w = top_w.to(logits.dtype)

@@ -156,7 +156,7 @@ def test_cuda_gated_residual(dtype: torch.dtype) -> None:
     wc = w.to(dtype).cuda()
 
     def block(u):
-        return torch.tanh(u @ w) if u.device.type == "cpu" else torch.tanh(linear(u, wc, True))
+        return torch.tanh(u @ w.t()) if u.device.type == "cpu" else torch.tanh(linear(u, wc, True))
 
     got = m(x.to(dtype).cuda(), block, True)
     ref = m_cpu(x.to(dtype).float(), block, True)

@@ -1,0 +1,317 @@
+"""Row-invariant routed experts of decode rows (MoE) for CUDA as a grouped GEMM: each active expert's
+weights are read once per call, however many rows use it. Four Triton kernels, no host reads.
+
+Reference: `_experts_by_row` in nextserve/ops/moe.py (per row, its experts in ascending id order);
+same contract as `routed_experts` (ops/triton/moe_decode.py), which reads an expert once per (row,
+expert) pair: at M=32 rows (320 pairs over ~240 distinct of 512 experts) that is ~1.3x the bytes.
+
+# NOTE: the design is moe_prefill.py's (pairs grouped by expert, blocks of at most BLOCK_M pairs of one
+# expert, tl.dot grouped GEMMs, a per-row combine in ascending expert id), with decode's constraints:
+#   0. `_plan`, program p: the sorted position of pairs CHUNK*p.. (their rank by (expert id, pair
+#      index), counted by comparisons against every pair: no torch.sort, whose launches cost more than
+#      the work at n <= 320 pairs), and the block table entries CHUNK*p.. (block b -> (expert or -1,
+#      lo, hi) over the sorted pairs, from each expert's run [start, end) = (#ids < e, #ids <= e)).
+#      The number of blocks is bounded from the shapes alone, sum_e cdiv(c_e, BLOCK_M) <=
+#      (n + min(E, n) * (BLOCK_M - 1)) // BLOCK_M for n = M*k pairs; blocks past the last exit at once,
+#      so every grid is a function of (M, k, E, block sizes): capturable in a CUDA graph.
+#   1. `_gate_up`, program (block, I tile): a masked [BLOCK_M, BLOCK_K] gather of x rows (padding rows
+#      are zeros, not loaded) times the expert's gate and up tiles (two tl.dot, float32 accumulators),
+#      then silu(g) * u, stored to act [n, I] at the pairs' sorted positions.
+#   2. `_down`, program (block, H tile): act rows times the expert's down tile, then y * w, stored to
+#      yw [n, H] at the pair's own index r*k + s.
+#   3. `_combine`, program (row, H tile): the row's k rows of yw added one at a time in ascending
+#      (expert id, slot) order, chosen on the device by a running minimum over the row's keys.
+# NOTE: why a row's bits never depend on M or on the other rows (C1):
+# - every block size, K tiling, warp count and stage count is a fixed argument (the defaults below),
+#   never chosen from M or from the routing: BLOCK_M = 16 whatever the pairs per expert;
+# - a tensor-core MMA (or the float32 FMA dot) gives each output element from its own row of A and
+#   column of B, by the same arithmetic at every row position of the tile: where a pair lands in its
+#   block (which depends on the other rows' routing: how many pairs share its expert, and their index)
+#   changes where its result is stored, not what is computed for it. Padding rows are zeros that never
+#   enter a real row's sum. The K loop adds BLOCK_K tiles in ascending order into float32;
+# - the act, y, y * w and combine roundings are per element, and the combine order is the row's own
+#   ascending (expert id, slot), independent of the other rows and of the order the router listed them;
+# - no kernel argument is the row or pair count except the plan's (`do_not_specialize`, integer work
+#   only); the pointers whose alignment follows a view's offset (ids, weights) are
+#   `do_not_specialize_on_alignment`, and x is copied when not 16-byte aligned, so one compiled binary
+#   of each kernel serves every M. No atomics: two calls on equal inputs give equal bits.
+# NOTE: speed at the real sizes (H=2560, I=640, E=512, k=10, bf16: 9.8 MB of weights an expert) on an
+# H200. Decode is bound by streaming the distinct experts' weights (M=1: 10 experts, 98 MB; M=32: ~240
+# experts, 2.4 GB); a block holds 1.0-1.4 real pairs on average at M <= 32, so the MMA rows are mostly
+# padding and cost nothing that matters. The blocks aim at many weight bytes in flight with enough
+# programs at M=1: gate/up tiles of 32 x 128 (2 x 8 KB a stage, 4 stages; 10 x 20 = 200 programs at
+# M=1), down tiles of 64 x 128 (16 KB a stage; 10 x 40 = 400 programs at M=1).
+# benchmarks/bench_moe_grouped_decode.py compares it with routed_experts and sweeps the blocks.
+# NOTE: the roundings follow the reference: gate and up rounded to the model dtype (as F.linear's
+# output is), silu and the product rounded to it, y rounded to it, y * w rounded to it, then
+# out = out + y * w rounded to it after each expert. Only the order inside each dot differs (float32
+# accumulation), so outputs match the reference to a tolerance, not bit for bit; nor are they
+# routed_experts' bits (another dot order). float32 inputs use IEEE dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+PLAN_CHUNK = 32  # pairs ranked and blocks planned per plan program
+PLAN_Q = 32  # pairs compared per step of the plan's loops
+_INT_BIG = 1 << 30  # an id above every expert: masked pairs count nowhere
+
+
+@triton.jit(do_not_specialize=["n", "NB_MAX"], do_not_specialize_on_alignment=["ids_ptr"])
+def _plan(
+    ids_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, n, E, NB_MAX,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, Q: tl.constexpr,
+    BIG: tl.constexpr,
+):  # fmt: skip
+    """order[rank(p)] = p for pairs p = CHUNK*pid.., rank(p) = #{q : (id_q, q) < (id_p, p)} (a stable
+    sort by expert id); and blocks b = CHUNK*pid.. of the plan: b -> (expert or -1, lo, hi)."""
+    pid = tl.program_id(0)
+    p = pid * CHUNK + tl.arange(0, CHUNK)
+    mask_p = p < n
+    ep = tl.load(ids_ptr + p, mask=mask_p, other=0).to(tl.int32)
+    e = tl.arange(0, E_PAD)
+    rank = tl.zeros((CHUNK,), dtype=tl.int32)
+    start = tl.zeros((E_PAD,), dtype=tl.int32)  # expert e's run in the sorted pairs: [start, end)
+    end = tl.zeros((E_PAD,), dtype=tl.int32)
+    for q0 in range(0, n, Q):
+        q = q0 + tl.arange(0, Q)
+        eq = tl.load(ids_ptr + q, mask=q < n, other=BIG).to(tl.int32)
+        before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+        start += tl.sum((eq[None, :] < e[:, None]).to(tl.int32), axis=1)
+        end += tl.sum((eq[None, :] <= e[:, None]).to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, p, mask=mask_p)
+    nb = tl.where(e < E, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(nb, 0)  # inclusive: expert e's blocks are [cum - nb, cum)
+    b = pid * CHUNK + tl.arange(0, CHUNK)
+    eb = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), axis=1)  # [CHUNK] the expert of block b
+    hit = e[None, :] == eb[:, None]  # [CHUNK, E_PAD], one hit a row (none past the last block)
+    first = tl.sum(tl.where(hit, cum - nb, 0), axis=1)
+    lo = tl.sum(tl.where(hit, start, 0), axis=1) + (b - first) * BLOCK_M
+    hi = tl.minimum(lo + BLOCK_M, tl.sum(tl.where(hit, end, 0), axis=1))
+    valid = eb < E
+    mask_b = b < NB_MAX
+    tl.store(blk_e_ptr + b, tl.where(valid, eb, -1), mask=mask_b)
+    tl.store(blk_lo_ptr + b, tl.where(valid, lo, 0), mask=mask_b)
+    tl.store(blk_hi_ptr + b, tl.where(valid, hi, 0), mask=mask_b)
+
+
+@triton.jit
+def _gate_up(
+    x_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, gu_ptr, act_ptr, H, I,
+    stride_gu_e, stride_gu_n,
+    K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
+    program (block, I tile). x is [M, H] with rows H apart."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_e_ptr + pid_b)
+    if e < 0:
+        return
+    lo = tl.load(blk_lo_ptr + pid_b)
+    hi = tl.load(blk_hi_ptr + pid_b)
+    rows = lo + tl.arange(0, BLOCK_M)
+    mask_m = rows < hi
+    pair = tl.load(order_ptr + rows, mask=mask_m, other=0)
+    tok = (pair // K_TOP).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < I
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * H + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptrs = gu_ptr + e.to(tl.int64) * stride_gu_e + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + I * stride_gu_n
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                wg = tl.load(g_ptrs)
+                wu = tl.load(u_ptrs)
+            else:
+                wg = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = (k0 + rk) < H
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dt = act_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    act = (silu * u).to(dt)
+    tl.store(
+        act_ptr + rows[:, None].to(tl.int64) * I + rn[None, :], act, mask=mask_m[:, None] & mask_n[None, :]
+    )
+
+
+@triton.jit(do_not_specialize_on_alignment=["w_ptr"])
+def _down(
+    act_ptr, order_ptr, w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, down_ptr, yw_ptr, H, I,
+    stride_d_e, stride_d_h,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile)."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_e_ptr + pid_b)
+    if e < 0:
+        return
+    lo = tl.load(blk_lo_ptr + pid_b)
+    hi = tl.load(blk_hi_ptr + pid_b)
+    rows = lo + tl.arange(0, BLOCK_M)
+    mask_m = rows < hi
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < H
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    d_ptrs = down_ptr + e.to(tl.int64) * stride_d_e + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                wd = tl.load(d_ptrs)
+            else:
+                wd = tl.load(d_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = (k0 + rk) < I
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wd = tl.load(d_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        d_ptrs += BLOCK_K
+    dt = yw_ptr.dtype.element_ty
+    pair = tl.load(order_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    wt = tl.load(w_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
+    yw = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt)
+    tl.store(yw_ptr + pair[:, None] * H + rn[None, :], yw, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize_on_alignment=["ids_ptr"])
+def _combine(
+    yw_ptr, ids_ptr, out_ptr, H,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out[r] = the row's k rows of yw added one at a time in ascending (expert id, slot), each add
+    rounded to the model dtype; program (row, H tile)."""
+    r = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    rs = tl.arange(0, K_PAD)
+    mask_s = rs < K_TOP
+    e = tl.load(ids_ptr + r * K_TOP + rs, mask=mask_s, other=0).to(tl.int64)
+    keys = tl.where(mask_s, e * K_PAD + rs, 9223372036854775807)
+    rh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = rh < H
+    dt = out_ptr.dtype.element_ty
+    out = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    prev = tl.min(keys) - 1
+    for _ in tl.static_range(K_TOP):
+        cur = tl.min(tl.where(keys > prev, keys, 9223372036854775807))
+        s = cur % K_PAD
+        y = tl.load(yw_ptr + (r * K_TOP + s) * H + rh, mask=mask_h, other=0.0).to(tl.float32)
+        out = (out + y).to(dt).to(tl.float32)
+        prev = cur
+    tl.store(out_ptr + r * H + rh, out.to(dt), mask=mask_h)
+
+
+def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """An upper bound on the plan's blocks from the shapes alone: sum_e cdiv(c_e, block_m) <=
+    (n + active * (block_m - 1)) // block_m, with at most min(E, n) experts active."""
+    return (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m
+
+
+def plan(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [n] int32: the pairs r*k + s stably sorted by expert id, blocks [3, nb] int32: per block
+    its expert (-1 past the last block), and its range [lo, hi) over the sorted pairs)."""
+    n = ids.numel()
+    nb_max = max_blocks(n, num_experts, block_m)
+    order = torch.empty(n, dtype=torch.int32, device=ids.device)
+    # NOTE: rows padded to 4 entries (16 bytes), so the three rows' pointers are equally aligned at
+    # every M.
+    blk = torch.empty((3, triton.cdiv(max(nb_max, 1), 4) * 4), dtype=torch.int32, device=ids.device)
+    _plan[(triton.cdiv(n, PLAN_CHUNK),)](
+        ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=PLAN_CHUNK, Q=PLAN_Q,
+        BIG=_INT_BIG,
+    )  # fmt: skip
+    return order, blk[:, :nb_max]
+
+
+def grouped_decode_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    block_m: int = BLOCK_M,
+    block_n: int = 32,
+    block_k: int = 128,
+    block_n_down: int = 64,
+    block_k_down: int = 128,
+    warps: int = 4,
+    warps_down: int = 4,
+    stages: int = 4,
+    stages_down: int = 4,
+    block_h_combine: int = 256,
+) -> torch.Tensor:
+    """x [M, H]; weights [M, k] (x.dtype); ids [M, k] (int32/int64, < E); gate_up [E, 2I, H] (gate rows
+    first); down [E, H, I]. Returns [M, H] in x.dtype: per row, sum over its k experts taken in ascending
+    expert id of w * down(silu(gate·x) * (up·x)).
+
+    Row-invariant and free of host reads (CUDA-graph capturable), as `routed_experts`. The block sizes
+    are part of the numerics: a row's bits are fixed for given blocks, whatever M and the other rows;
+    they are never chosen from M or the routing. A repeated id in a row is still summed, in slot order,
+    as the reference does."""
+    M, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I), (gate_up.shape, down.shape)
+    assert weights.shape == ids.shape == (M, k), (weights.shape, ids.shape)
+    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    n = M * k
+    if n == 0:
+        return out.zero_()
+    # NOTE: x's rows are read H apart (a contiguous x; with one row any stride reads the same), from a
+    # 16-byte aligned address (a copy otherwise), so x's alignment never selects another binary.
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    order, blk = plan(ids, E, block_m)
+    nb = blk.shape[1]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty((n, I), dtype=x.dtype, device=x.device)
+    _gate_up[(nb, triton.cdiv(I, block_n))](
+        x, order, blk[0], blk[1], blk[2], gate_up, act, H, I, gate_up.stride(0), gate_up.stride(1),
+        K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    _down[(nb, triton.cdiv(H, block_n_down))](
+        act, order, weights, blk[0], blk[1], blk[2], down, yw, H, I, down.stride(0), down.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down,
+        EVEN_K=I % block_k_down == 0, EVEN_N=H % block_n_down == 0, DOT_PRECISION=precision,
+        num_warps=warps_down, num_stages=stages_down,
+    )  # fmt: skip
+    _combine[(M, triton.cdiv(H, block_h_combine))](
+        yw, ids, out, H, K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h_combine,
+    )  # fmt: skip
+    return out
