@@ -216,6 +216,10 @@ def _make_model_parser(sub) -> None:
     p.add_argument("--layout", choices=["text", "multimodal"], default="text")
     p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
     p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+        help="dtype of the written tensors (bfloat16 halves a flash-next checkpoint)",
+    )  # fmt: skip
+    p.add_argument(
         "--layers", type=int, default=None, metavar="N",
         help="N decoder layers in Flash-Next's pattern (QSA at i %% 4 == 3); default: the preset's",
     )  # fmt: skip
@@ -229,6 +233,8 @@ def _make_model_parser(sub) -> None:
 def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
+    import torch
+
     from .model.make_model import make_model, preset_overrides
 
     try:
@@ -237,7 +243,7 @@ def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(str(exc))
     out = make_model(
         args.preset, Path(args.out), seed=args.seed, layout=args.layout, with_mtp=not args.no_mtp,
-        overrides=overrides,
+        overrides=overrides, dtype=getattr(torch, args.dtype),
     )  # fmt: skip
     print(out)
     return 0
