@@ -10,9 +10,10 @@ import json
 import sys
 
 import torch
-import triton.testing
 
 from nextserve.bench import copy_bandwidth, git_info, hardware
+from nextserve.bench.timing import graph_us as _graph_us
+from nextserve.bench.timing import kernel_us as _us
 from nextserve.ops.moe import _experts_by_row
 from nextserve.ops.triton.moe_decode import routed_experts
 
@@ -28,23 +29,6 @@ SWEEP = [
     {"block_h": 8, "block_i_down": 64},
     {"block_h": 4, "block_i_down": 128},
 ]
-
-
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, return_mode="median") * 1e3
-
-
-def _graph_us(fn) -> float:
-    fn()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _us(graph.replay)
 
 
 def _gbps(nbytes: int, us: float) -> float:

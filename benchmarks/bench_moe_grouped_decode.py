@@ -1,6 +1,6 @@
 """Decode routed experts at the real Flash-Next sizes (H=2560, E=512, k=10, I=640, bf16) on CUDA:
 `routed_experts` (ops/triton/moe_decode.py, a GEMV per (row, expert) pair) against
-`grouped_decode_experts` (ops/triton/moe_grouped_decode.py, each active expert read once) at M = 1, 2, 4,
+`grouped_decode_experts` (ops/triton/moe_grouped.py, each active expert read once) at M = 1, 2, 4,
 8, 16, 32 rows with random routing, plus a small block-size sweep of the grouped kernel; per M and
 config, a strict row-invariance check (each row alone, and among other rows at another position,
 torch.equal) and the error against the reference loop `_experts_by_row`.
@@ -25,7 +25,7 @@ import torch
 from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.ops.moe import _experts_by_row
 from nextserve.ops.triton.moe_decode import routed_experts
-from nextserve.ops.triton.moe_grouped_decode import grouped_decode_experts
+from nextserve.ops.triton.moe_grouped import grouped_decode_experts
 
 H, E, K, I = 2560, 512, 10, 640
 EXPERT_BYTES = 3 * I * H * 2  # gate, up and down rows of one expert, bf16

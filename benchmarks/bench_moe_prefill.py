@@ -1,8 +1,8 @@
-"""The grouped Triton routed experts of prefill (ops/triton/moe_prefill.py) against the per-expert
-reference loop (`_experts_by_expert`, what CUDA ran before: ~6 launches and a host sync an expert), at
-prefill chunk sizes with the real Flash-Next widths (H=2560, E=512, k=10, I=640, bf16): eager and
-replayed from a CUDA graph, the useful TFLOP/s (2 * T*k * 3*I*H flops) and the bandwidth achieved on the
-bytes of the distinct experts' weights (the floor: each active expert read once); a per-kernel time
+"""The grouped Triton routed experts of prefill (`grouped_experts`, ops/triton/moe_grouped.py) against the
+per-expert reference loop (`_experts_by_expert`, what CUDA ran before: ~6 launches and a host sync an
+expert), at prefill chunk sizes with the real Flash-Next widths (H=2560, E=512, k=10, I=640, bf16): eager
+and replayed from a CUDA graph, the useful TFLOP/s (2 * T*k * 3*I*H flops) and the bandwidth achieved on
+the bytes of the distinct experts' weights (the floor: each active expert read once); a per-kernel time
 breakdown (torch.profiler) and a sweep of the block sizes. Routing: uniform (top-k of uniform scores) and
 skewed (scores plus a per-expert bias of std 1, some experts hot). Prints JSON; run on a CUDA machine:
 python benchmarks/bench_moe_prefill.py [--quick]"""
@@ -13,11 +13,12 @@ import json
 import sys
 
 import torch
-import triton.testing
 
 from nextserve.bench import copy_bandwidth, git_info, hardware
+from nextserve.bench.timing import graph_us as _graph_us
+from nextserve.bench.timing import kernel_us as _us
 from nextserve.ops.moe import _experts_by_expert
-from nextserve.ops.triton.moe_prefill import default_block_m, grouped_experts
+from nextserve.ops.triton.moe_grouped import default_block_m, grouped_experts
 
 H, E, K, I = 2560, 512, 10, 640
 EXPERT_BYTES = 3 * I * H * 2  # gate, up and down rows of one expert, bf16
@@ -37,23 +38,6 @@ SWEEP = [
     {"stages": 3, "stages_down": 3},
     {"stages": 5, "stages_down": 5},
 ]
-
-
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, return_mode="median") * 1e3
-
-
-def _graph_us(fn) -> float:
-    fn()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _us(graph.replay)
 
 
 def _breakdown(fn) -> dict[str, float]:

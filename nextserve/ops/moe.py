@@ -44,20 +44,20 @@ def experts(
     # NOTE: contributions are added in ascending expert order, one expert at a time, as the
     # reference model does; in row-invariant mode each row's projections are calls of their own.
     # On CUDA (not float64) the row-invariant path is the grouped decode kernel with fixed blocks
-    # (ops/triton/moe_grouped_decode.py; on the H200 0.96x the per-pair GEMV kernel of
+    # (`grouped_decode_experts`, ops/triton/moe_grouped.py; on the H200 0.96x the per-pair GEMV kernel of
     # ops/triton/moe_decode.py at one row and 1.27x faster at 32, benchmarks/bench_moe_grouped_decode.py),
     # with no host reads; `_experts_by_row` is its reference. On CUDA (not float64) the grouped path
-    # is a deterministic Triton grouped GEMM (ops/triton/moe_prefill.py), also free of host reads; the
+    # is the same grouped GEMM with prefill's blocks (`grouped_experts`), also free of host reads; the
     # per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the CPU path.
     """
     if row_invariant:
         if x.is_cuda and x.dtype in _TRITON_DTYPES:
-            from .triton.moe_grouped_decode import grouped_decode_experts
+            from .triton.moe_grouped import grouped_decode_experts
 
             return grouped_decode_experts(x, weights, ids, gate_up, down)
         return _experts_by_row(x, weights, ids, gate_up, down)
     if x.is_cuda and x.dtype in _TRITON_DTYPES:
-        from .triton.moe_prefill import grouped_experts
+        from .triton.moe_grouped import grouped_experts
 
         return grouped_experts(x, weights, ids, gate_up, down)
     return _experts_by_expert(x, weights, ids, gate_up, down)

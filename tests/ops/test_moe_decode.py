@@ -2,35 +2,13 @@
 reference, and against itself at other M. Without a GPU the kernels run in Triton's interpreter on the
 CPU (float32/float16: the interpreter's bfloat16 is broken); the bfloat16 tests at real widths need CUDA."""
 
-import os
-
 import pytest
 import torch
+from moe_cases import moe_problem, rel_err
+from triton_interp import needs_cuda, small
 
 from nextserve.ops.moe import _experts_by_row, experts
 from nextserve.ops.triton.moe_decode import routed_experts
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# NOTE: the small tests run wherever the kernels can: in the interpreter on CPU tensors, else on CUDA.
-DEV = "cpu" if INTERPRET else "cuda"
-small = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="no Triton backend")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _problem(M, H, E, k, I, dtype, seed, device=DEV):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, H, generator=g)
-    gate_up = torch.randn(E, 2 * I, H, generator=g) / H**0.5
-    down = torch.randn(E, H, I, generator=g) / I**0.5
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
-    w = torch.rand(M, k, generator=g)
-    w = w / w.sum(-1, keepdim=True)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return cast(x), cast(w), ids.to(device), cast(gate_up), cast(down)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @small
@@ -43,15 +21,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     ],
 )
 def test_matches_reference(dtype, shape, tol) -> None:
-    x, w, ids, gu, dn = _problem(*shape, dtype, seed=sum(shape))
+    x, w, ids, gu, dn = moe_problem(*shape, dtype, seed=sum(shape))
     out = routed_experts(x, w, ids, gu, dn)
     assert out.dtype == dtype and out.shape == x.shape
-    assert _rel(out, _experts_by_row(x, w, ids, gu, dn)) < tol
+    assert rel_err(out, _experts_by_row(x, w, ids, gu, dn)) < tol
 
 
 @small
 def test_rows_are_invariant() -> None:
-    x, w, ids, gu, dn = _problem(7, 64, 8, 2, 32, torch.float32, seed=1)
+    x, w, ids, gu, dn = moe_problem(7, 64, 8, 2, 32, torch.float32, seed=1)
     full = routed_experts(x, w, ids, gu, dn)
     for i in range(7):  # each row alone, from a view
         assert torch.equal(routed_experts(x[i : i + 1], w[i : i + 1], ids[i : i + 1], gu, dn)[0], full[i]), i
@@ -63,7 +41,7 @@ def test_rows_are_invariant() -> None:
 @small
 def test_slot_order_does_not_matter() -> None:
     """The router may list a row's experts in any order: the sum is always in ascending expert id."""
-    x, w, ids, gu, dn = _problem(4, 64, 8, 4, 32, torch.float32, seed=2)
+    x, w, ids, gu, dn = moe_problem(4, 64, 8, 4, 32, torch.float32, seed=2)
     out = routed_experts(x, w, ids, gu, dn)
     g = torch.Generator().manual_seed(3)
     perm = torch.stack([torch.randperm(4, generator=g) for _ in range(4)]).to(ids.device)
@@ -76,29 +54,29 @@ def test_slot_order_does_not_matter() -> None:
 @small
 def test_experts_shared_across_rows() -> None:
     """Rows routed to the same experts (and equal rows) get their own programs and equal bits."""
-    x, w, ids, gu, dn = _problem(6, 64, 8, 3, 32, torch.float32, seed=4)
+    x, w, ids, gu, dn = moe_problem(6, 64, 8, 3, 32, torch.float32, seed=4)
     ids[:] = ids[0]
     ids[3] = ids[0].flip(0)
     x[4], w[4] = x[1], w[1]
     w[3] = w[0].flip(0)
     x[3] = x[0]
     out = routed_experts(x, w, ids, gu, dn)
-    assert _rel(out, _experts_by_row(x, w, ids, gu, dn)) < 1e-5
+    assert rel_err(out, _experts_by_row(x, w, ids, gu, dn)) < 1e-5
     assert torch.equal(out[4], out[1]) and torch.equal(out[3], out[0])
 
 
 @small
 def test_every_expert_routed() -> None:
     """k = E: every row uses every expert (k a power of 2 here, no padded slots)."""
-    x, w, ids, gu, dn = _problem(3, 64, 8, 8, 32, torch.float32, seed=5)
+    x, w, ids, gu, dn = moe_problem(3, 64, 8, 8, 32, torch.float32, seed=5)
     out = routed_experts(x, w, ids, gu, dn)
-    assert _rel(out, _experts_by_row(x, w, ids, gu, dn)) < 1e-5
+    assert rel_err(out, _experts_by_row(x, w, ids, gu, dn)) < 1e-5
     assert torch.equal(routed_experts(x[2:], w[2:], ids[2:], gu, dn), out[2:])
 
 
 @small
 def test_no_rows() -> None:
-    x, w, ids, gu, dn = _problem(1, 64, 8, 2, 32, torch.float32, seed=6)
+    x, w, ids, gu, dn = moe_problem(1, 64, 8, 2, 32, torch.float32, seed=6)
     assert routed_experts(x[:0], w[:0], ids[:0], gu, dn).shape == (0, 64)
 
 
@@ -108,7 +86,7 @@ REAL = dict(H=2560, E=64, k=10, I=640)
 
 @pytest.fixture(scope="module")
 def real_problem():
-    return _problem(40, REAL["H"], REAL["E"], REAL["k"], REAL["I"], torch.bfloat16, seed=7, device="cuda")
+    return moe_problem(40, REAL["H"], REAL["E"], REAL["k"], REAL["I"], torch.bfloat16, seed=7, device="cuda")
 
 
 @pytest.mark.gpu
@@ -119,10 +97,10 @@ def test_bf16_matches_reference(real_problem, rows: int) -> None:
     out = routed_experts(x, w, ids, gu, dn)
     ref = _experts_by_row(x, w, ids, gu, dn)
     exact = _experts_by_row(x.double(), w.double(), ids, gu.double(), dn.double())
-    assert _rel(out, ref) < 1e-2
-    assert _rel(out, exact) < 1.5 * _rel(ref, exact) + 1e-3
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(out, exact) < 1.5 * rel_err(ref, exact) + 1e-3
     # the CUDA row-invariant path of experts() is the grouped decode kernel
-    from nextserve.ops.triton.moe_grouped_decode import grouped_decode_experts
+    from nextserve.ops.triton.moe_grouped import grouped_decode_experts
 
     assert torch.equal(
         experts(x, w, ids, gu, dn, row_invariant=True), grouped_decode_experts(x, w, ids, gu, dn)

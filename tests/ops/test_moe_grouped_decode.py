@@ -1,51 +1,27 @@
-"""The row-invariant grouped Triton routed experts of decode (ops/triton/moe_grouped_decode.py) against
+"""The row-invariant grouped Triton routed experts of decode (ops/triton/moe_grouped.py) against
 `_experts_by_row`, their reference, and each row against itself alone. Without a GPU the kernels run in
 Triton's interpreter on the CPU (float32/float16: the interpreter's bfloat16 is broken); the bfloat16
 tests at the real sizes (E=512), the strict row invariance of the MMA and the CUDA-graph replay need
 CUDA (`-m gpu`)."""
 
-import os
-
-import numpy as np
 import pytest
 import torch
+from moe_cases import moe_problem, rel_err
+from triton_interp import needs_cuda, row_independent_dot, small  # noqa: F401
 
 from nextserve.ops.moe import _experts_by_row
-from nextserve.ops.triton import moe_grouped_decode as mgd
-from nextserve.ops.triton.moe_grouped_decode import grouped_decode_experts, max_blocks, plan
+from nextserve.ops.triton import moe_grouped as mgd
+from nextserve.ops.triton.moe_grouped import grouped_decode_experts, max_blocks, plan
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# NOTE: the small tests run wherever the kernels can: in the interpreter on CPU tensors, else on CUDA.
-DEV = "cpu" if INTERPRET else "cuda"
-small = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="no Triton backend")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SMALL = dict(H=64, E=8, k=2, I=32)
 TINY_BLOCKS = dict(block_n=16, block_k=16, block_n_down=16, block_k_down=16, block_h_combine=16)
-
-
-def _problem(M, H, E, k, I, dtype, seed, device=DEV, experts_used=None):
-    """Random routing of M rows to k distinct experts each, drawn from `experts_used` (default all)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, H, generator=g)
-    gate_up = torch.randn(E, 2 * I, H, generator=g) / H**0.5
-    down = torch.randn(E, H, I, generator=g) / I**0.5
-    pool = torch.arange(E) if experts_used is None else torch.tensor(experts_used)
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(M)])
-    w = torch.rand(M, k, generator=g)
-    w = w / w.sum(-1, keepdim=True)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return cast(x), cast(w), ids.to(device), cast(gate_up), cast(down)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _check(problem, tol, **blocks) -> torch.Tensor:
     x, w, ids, gu, dn = problem
     out = grouped_decode_experts(x, w, ids, gu, dn, **blocks)
     assert out.dtype == x.dtype and out.shape == x.shape
-    assert _rel(out, _experts_by_row(x, w, ids, gu, dn)) < tol
+    assert rel_err(out, _experts_by_row(x, w, ids, gu, dn)) < tol
     return out
 
 
@@ -61,7 +37,7 @@ def _check(problem, tol, **blocks) -> torch.Tensor:
     ],
 )
 def test_matches_reference(dtype, shape, tol) -> None:
-    _check(_problem(*shape, dtype, seed=sum(shape)), tol)
+    _check(moe_problem(*shape, dtype, seed=sum(shape)), tol)
 
 
 @small
@@ -75,7 +51,7 @@ def test_matches_reference(dtype, shape, tol) -> None:
     ],
 )
 def test_block_sizes(blocks) -> None:
-    _check(_problem(9, 72, 8, 3, 40, torch.float32, seed=1), 1e-5, **blocks)
+    _check(moe_problem(9, 72, 8, 3, 40, torch.float32, seed=1), 1e-5, **blocks)
 
 
 @small
@@ -84,7 +60,7 @@ def test_plan(M, E, k) -> None:
     """order is the stable sort of the pairs by expert id; the blocks cut each expert's run of sorted
     pairs into pieces of at most BLOCK_M, in ascending expert id, then -1; their count is within the
     shape-only bound (the grid)."""
-    ids = _problem(M, 16, E, k, 16, torch.float32, seed=M + E + k)[2]
+    ids = moe_problem(M, 16, E, k, 16, torch.float32, seed=M + E + k)[2]
     order, blk = plan(ids, E)
     flat = ids.reshape(-1).cpu()
     assert torch.equal(order.long().cpu(), torch.sort(flat, stable=True).indices)
@@ -109,7 +85,7 @@ def test_max_blocks_bound_is_tight() -> None:
 
 @small
 def test_some_experts_unused() -> None:
-    problem = _problem(11, **SMALL, dtype=torch.float32, seed=2, experts_used=[1, 4, 5, 7])
+    problem = moe_problem(11, **SMALL, dtype=torch.float32, seed=2, experts_used=[1, 4, 5, 7])
     assert set(problem[2].unique().tolist()) == {1, 4, 5, 7}
     _check(problem, 1e-5)
 
@@ -119,7 +95,7 @@ def test_some_experts_unused() -> None:
 def test_one_expert_takes_all_rows(block_m) -> None:
     """Expert 3 in every row (one run of 37 pairs: three blocks at block_m=16), the other slot spread;
     then a repeated id: the reference sums both slots, in slot order."""
-    x, w, ids, gu, dn = _problem(37, **SMALL, dtype=torch.float32, seed=3, experts_used=[0, 1, 2, 4, 6])
+    x, w, ids, gu, dn = moe_problem(37, **SMALL, dtype=torch.float32, seed=3, experts_used=[0, 1, 2, 4, 6])
     ids[:, 1] = 3
     _check((x, w, ids, gu, dn), 1e-5, block_m=block_m, **TINY_BLOCKS)
     ids[:, 0] = 3
@@ -128,7 +104,7 @@ def test_one_expert_takes_all_rows(block_m) -> None:
 
 @small
 def test_deterministic() -> None:
-    x, w, ids, gu, dn = _problem(12, **SMALL, dtype=torch.float32, seed=6)
+    x, w, ids, gu, dn = moe_problem(12, **SMALL, dtype=torch.float32, seed=6)
     first = grouped_decode_experts(x, w, ids, gu, dn)
     assert torch.equal(grouped_decode_experts(x.clone(), w.clone(), ids.clone(), gu, dn), first)
 
@@ -136,7 +112,7 @@ def test_deterministic() -> None:
 @small
 def test_slot_order_does_not_matter() -> None:
     """The router may list a row's experts in any order: the sum is always in ascending expert id."""
-    x, w, ids, gu, dn = _problem(6, 64, 8, 4, 32, torch.float32, seed=7)
+    x, w, ids, gu, dn = moe_problem(6, 64, 8, 4, 32, torch.float32, seed=7)
     out = grouped_decode_experts(x, w, ids, gu, dn)
     g = torch.Generator().manual_seed(8)
     perm = torch.stack([torch.randperm(4, generator=g) for _ in range(6)]).to(ids.device)
@@ -146,7 +122,7 @@ def test_slot_order_does_not_matter() -> None:
 @small
 def test_int32_ids_and_views() -> None:
     """int32 routing, and x a strided view (rows of a wider buffer, at a 4-byte but not 16-byte offset)."""
-    x, w, ids, gu, dn = _problem(10, **SMALL, dtype=torch.float32, seed=9)
+    x, w, ids, gu, dn = moe_problem(10, **SMALL, dtype=torch.float32, seed=9)
     out = grouped_decode_experts(x, w, ids, gu, dn)
     assert torch.equal(grouped_decode_experts(x, w, ids.to(torch.int32), gu, dn), out)
     wide = torch.zeros(10, 3 * 64 + 1, dtype=x.dtype, device=x.device)
@@ -157,40 +133,18 @@ def test_int32_ids_and_views() -> None:
 
 @small
 def test_no_rows() -> None:
-    x, w, ids, gu, dn = _problem(1, **SMALL, dtype=torch.float32, seed=10)
+    x, w, ids, gu, dn = moe_problem(1, **SMALL, dtype=torch.float32, seed=10)
     assert grouped_decode_experts(x[:0], w[:0], ids[:0], gu, dn).shape == (0, 64)
 
 
 # ---- row invariance in the interpreter -------------------------------------------------------------
-@pytest.fixture
-def row_independent_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In the interpreter, make tl.dot give each output element from its own row and column by one
-    fixed computation, as a GPU MMA does.
-    # NOTE: the interpreter's tl.dot is np.matmul, i.e. the CPU BLAS, whose kernels may round a row
-    # differently by its position in the tile; that is the emulator's property, not the kernel's, so
-    # the invariance of the kernel's own structure (plan, blocks, gathers, masks, combine order, M) is
-    # checked with a dot that has none (exact products of the float32-widened inputs, added over k in
-    # order). The MMA itself is checked on the GPU (test_bf16_rows_are_invariant)."""
-    if not INTERPRET:
-        return
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        prod = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
-        acc = d.data.copy()
-        for k in range(prod.shape[1]):
-            acc += prod[:, k, :]
-        return TensorHandle(acc, d.dtype.scalar)
-
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
-
-
 @small
+@pytest.mark.usefixtures("row_independent_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rows_are_invariant(row_independent_dot: None, dtype: torch.dtype) -> None:
+def test_rows_are_invariant(dtype: torch.dtype) -> None:
     """Each row alone equals its row in batches, with neighbours that share its experts (one expert cut
     into two blocks, the row at other positions of them) and ones that do not."""
-    x, w, ids, gu, dn = _problem(20, **SMALL, dtype=dtype, seed=11)
+    x, w, ids, gu, dn = moe_problem(20, **SMALL, dtype=dtype, seed=11)
     ids[:14, 0] = 5  # 14 rows share expert 5 ...
     ids[:14, 1] = torch.where(ids[:14, 1] == 5, 2, ids[:14, 1])
     ids[14:] = torch.tensor([[0, 1]], device=ids.device)  # ... and 6 rows use only experts 0 and 1
@@ -258,9 +212,9 @@ def test_bf16_matches_reference(real_weights, real_rows, rows: int) -> None:
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref = _experts_by_row(x, w, ids, gu, dn)
     exact = _exact(x, w, ids, gu, dn)
-    assert _rel(out, ref) < 1e-2
-    assert _rel(out, exact) < 1.5 * _rel(ref, exact) + 1e-3
-    assert _rel(out, routed_experts(x, w, ids, gu, dn)) < 1e-2
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(out, exact) < 1.5 * rel_err(ref, exact) + 1e-3
+    assert rel_err(out, routed_experts(x, w, ids, gu, dn)) < 1e-2
     assert torch.equal(grouped_decode_experts(x, w, ids, gu, dn), out)  # deterministic
 
 
@@ -273,8 +227,8 @@ def test_bf16_experts_shared_by_many_rows(real_weights, real_rows) -> None:
     ids[:] = ids[0].clone()
     for shared in (ids, _routing(33, seed=14, experts=list(range(40, 52)))[2]):
         out = grouped_decode_experts(x, w, shared, gu, dn)
-        assert _rel(out, _experts_by_row(x, w, shared, gu, dn)) < 1e-2
-        assert _rel(out, _exact(x, w, shared, gu, dn)) < 2e-2
+        assert rel_err(out, _experts_by_row(x, w, shared, gu, dn)) < 1e-2
+        assert rel_err(out, _exact(x, w, shared, gu, dn)) < 2e-2
 
 
 def _batch(target: int, m: int, pos: int, kind: str, real_rows, seed: int):
@@ -401,4 +355,4 @@ def test_cuda_graph_capture(real_weights, rows: int) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 def test_cuda_other_dtypes(dtype, tol) -> None:
-    _check(_problem(20, 512, 64, 6, 256, dtype, seed=21, device="cuda"), tol)
+    _check(moe_problem(20, 512, 64, 6, 256, dtype, seed=21, device="cuda"), tol)

@@ -1,47 +1,25 @@
-"""The grouped Triton routed experts of prefill (ops/triton/moe_prefill.py) against `_experts_by_expert`,
-their reference (the per-expert loop of experts(row_invariant=False)). Without a GPU the kernels run in
-Triton's interpreter on the CPU (float32/float16: the interpreter's bfloat16 is broken); the bfloat16
-tests at the real widths need CUDA."""
-
-import os
+"""The grouped Triton routed experts of prefill (`grouped_experts` in ops/triton/moe_grouped.py: the
+kernels of decode with prefill's blocks) against `_experts_by_expert`, their reference (the per-expert
+loop of experts(row_invariant=False)). Without a GPU the kernels run in Triton's interpreter on the CPU
+(float32/float16: the interpreter's bfloat16 is broken); the bfloat16 tests at the real widths need
+CUDA."""
 
 import pytest
 import torch
+from moe_cases import moe_problem, rel_err
+from triton_interp import needs_cuda, small
 
 from nextserve.ops.moe import _experts_by_expert, experts
-from nextserve.ops.triton.moe_prefill import default_block_m, grouped_experts
+from nextserve.ops.triton.moe_grouped import default_block_m, grouped_experts
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# NOTE: the small tests run wherever the kernels can: in the interpreter on CPU tensors, else on CUDA.
-DEV = "cpu" if INTERPRET else "cuda"
-small = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="no Triton backend")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SMALL = dict(H=64, E=8, k=2, I=32)
-
-
-def _problem(T, H, E, k, I, dtype, seed, device=DEV, experts_used=None):
-    """Random routing of T tokens to k distinct experts each, drawn from `experts_used` (default all)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    gate_up = torch.randn(E, 2 * I, H, generator=g) / H**0.5
-    down = torch.randn(E, H, I, generator=g) / I**0.5
-    pool = torch.arange(E) if experts_used is None else torch.tensor(experts_used)
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(T)])
-    w = torch.rand(T, k, generator=g)
-    w = w / w.sum(-1, keepdim=True)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return cast(x), cast(w), ids.to(device), cast(gate_up), cast(down)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _check(problem, tol, **blocks) -> torch.Tensor:
     x, w, ids, gu, dn = problem
     out = grouped_experts(x, w, ids, gu, dn, **blocks)
     assert out.dtype == x.dtype and out.shape == x.shape
-    assert _rel(out, _experts_by_expert(x, w, ids, gu, dn)) < tol
+    assert rel_err(out, _experts_by_expert(x, w, ids, gu, dn)) < tol
     return out
 
 
@@ -56,7 +34,7 @@ def _check(problem, tol, **blocks) -> torch.Tensor:
     ],
 )
 def test_matches_reference(dtype, shape, tol) -> None:
-    _check(_problem(*shape, dtype, seed=sum(shape)), tol)
+    _check(moe_problem(*shape, dtype, seed=sum(shape)), tol)
 
 
 @small
@@ -71,12 +49,12 @@ def test_matches_reference(dtype, shape, tol) -> None:
 )
 def test_block_sizes(blocks) -> None:
     """Several tiles along every axis, and tiles wider than the sizes (masked)."""
-    _check(_problem(37, **SMALL, dtype=torch.float32, seed=1), 1e-5, **blocks)
+    _check(moe_problem(37, **SMALL, dtype=torch.float32, seed=1), 1e-5, **blocks)
 
 
 @small
 def test_some_experts_unused() -> None:
-    problem = _problem(33, **SMALL, dtype=torch.float32, seed=2, experts_used=[1, 4, 5, 7])
+    problem = moe_problem(33, **SMALL, dtype=torch.float32, seed=2, experts_used=[1, 4, 5, 7])
     assert set(problem[2].unique().tolist()) == {1, 4, 5, 7}
     _check(problem, 1e-5)
     _check(problem, 1e-5, block_m=16)
@@ -86,7 +64,7 @@ def test_some_experts_unused() -> None:
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_one_expert_takes_all_tokens(block_m) -> None:
     """Expert 3 in every token (one run of 40 pairs: three blocks at block_m=16), the other slot spread."""
-    x, w, ids, gu, dn = _problem(40, **SMALL, dtype=torch.float32, seed=3, experts_used=[0, 1, 2, 4, 6])
+    x, w, ids, gu, dn = moe_problem(40, **SMALL, dtype=torch.float32, seed=3, experts_used=[0, 1, 2, 4, 6])
     ids[:, 1] = 3
     _check((x, w, ids, gu, dn), 1e-5, block_m=block_m)
     ids[:, 0] = 3  # a repeated id: the reference sums both slots, in slot order
@@ -95,13 +73,13 @@ def test_one_expert_takes_all_tokens(block_m) -> None:
 
 @small
 def test_one_token() -> None:
-    _check(_problem(1, **SMALL, dtype=torch.float32, seed=4), 1e-5)
-    _check(_problem(1, 64, 8, 1, 32, torch.float32, seed=5), 1e-5)  # k = 1
+    _check(moe_problem(1, **SMALL, dtype=torch.float32, seed=4), 1e-5)
+    _check(moe_problem(1, 64, 8, 1, 32, torch.float32, seed=5), 1e-5)  # k = 1
 
 
 @small
 def test_deterministic() -> None:
-    x, w, ids, gu, dn = _problem(40, **SMALL, dtype=torch.float32, seed=6)
+    x, w, ids, gu, dn = moe_problem(40, **SMALL, dtype=torch.float32, seed=6)
     first = grouped_experts(x, w, ids, gu, dn)
     assert torch.equal(grouped_experts(x, w, ids, gu, dn), first)
     assert torch.equal(grouped_experts(x.clone(), w.clone(), ids.clone(), gu, dn), first)
@@ -110,7 +88,7 @@ def test_deterministic() -> None:
 @small
 def test_slot_order_does_not_matter() -> None:
     """The router may list a token's experts in any order: the sum is always in ascending expert id."""
-    x, w, ids, gu, dn = _problem(12, 64, 8, 4, 32, torch.float32, seed=7)
+    x, w, ids, gu, dn = moe_problem(12, 64, 8, 4, 32, torch.float32, seed=7)
     out = grouped_experts(x, w, ids, gu, dn)
     g = torch.Generator().manual_seed(8)
     perm = torch.stack([torch.randperm(4, generator=g) for _ in range(12)]).to(ids.device)
@@ -120,7 +98,7 @@ def test_slot_order_does_not_matter() -> None:
 @small
 def test_int32_ids_and_views() -> None:
     """int32 routing, and x a strided view (rows of a wider buffer)."""
-    x, w, ids, gu, dn = _problem(10, **SMALL, dtype=torch.float32, seed=9)
+    x, w, ids, gu, dn = moe_problem(10, **SMALL, dtype=torch.float32, seed=9)
     out = grouped_experts(x, w, ids, gu, dn)
     assert torch.equal(grouped_experts(x, w, ids.to(torch.int32), gu, dn), out)
     wide = torch.zeros(10, 3 * 64, dtype=x.dtype, device=x.device)
@@ -130,7 +108,7 @@ def test_int32_ids_and_views() -> None:
 
 @small
 def test_no_tokens() -> None:
-    x, w, ids, gu, dn = _problem(1, **SMALL, dtype=torch.float32, seed=10)
+    x, w, ids, gu, dn = moe_problem(1, **SMALL, dtype=torch.float32, seed=10)
     out = grouped_experts(x[:0], w[:0], ids[:0], gu, dn)
     assert out.shape == (0, 64)
 
@@ -145,7 +123,7 @@ def test_default_block_m() -> None:
 
 def test_cpu_path_is_the_reference() -> None:
     """On CPU tensors experts(row_invariant=False) is the per-expert loop, whatever the dtype."""
-    x, w, ids, gu, dn = _problem(20, **SMALL, dtype=torch.float32, seed=11, device="cpu")
+    x, w, ids, gu, dn = moe_problem(20, **SMALL, dtype=torch.float32, seed=11, device="cpu")
     assert torch.equal(experts(x, w, ids, gu, dn, row_invariant=False), _experts_by_expert(x, w, ids, gu, dn))
 
 
@@ -155,7 +133,9 @@ REAL = dict(H=2560, E=512, k=10, I=640)
 
 @pytest.fixture(scope="module")
 def real_problem():
-    return _problem(1024, REAL["H"], REAL["E"], REAL["k"], REAL["I"], torch.bfloat16, seed=12, device="cuda")
+    return moe_problem(
+        1024, REAL["H"], REAL["E"], REAL["k"], REAL["I"], torch.bfloat16, seed=12, device="cuda"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +147,8 @@ def _check_real(x, w, ids, gu, dn, weights_fp32, **blocks) -> torch.Tensor:
     out = grouped_experts(x, w, ids, gu, dn, **blocks)
     ref = _experts_by_expert(x, w, ids, gu, dn)
     exact = _experts_by_expert(x.float(), w.float(), ids, *weights_fp32)
-    assert _rel(out, ref) < 1e-2
-    assert _rel(out, exact) < 1.5 * _rel(ref, exact) + 1e-3
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(out, exact) < 1.5 * rel_err(ref, exact) + 1e-3
     return out
 
 
@@ -203,7 +183,7 @@ def test_bf16_skewed_routing(real_problem, real_weights_fp32) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 def test_cuda_other_dtypes(dtype, tol) -> None:
-    problem = _problem(200, 512, 64, 6, 256, dtype, seed=13, device="cuda")
+    problem = moe_problem(200, 512, 64, 6, 256, dtype, seed=13, device="cuda")
     _check(problem, tol)
 
 

@@ -3,18 +3,13 @@ several: against float64 F.linear, and each row against itself at other M. Witho
 run in Triton's interpreter on the CPU (float32/float16: the interpreter's bfloat16 is broken); the
 bfloat16 tests at real widths are tests/gpu/test_small_m_gemm.py."""
 
-import os
-
-import numpy as np
 import pytest
 import torch
 import triton
+from triton_interp import DEV, row_independent_dot, small  # noqa: F401
 
 from nextserve.ops.triton.gemv import MIN_SPLIT_K_TILES, TARGET_PROGRAMS, _config, small_m_linear
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-small = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="no Triton backend")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 # (N, K, splits asked for): None is the automatic configuration
@@ -67,35 +62,11 @@ def test_cases_cover_one_and_several_splits() -> None:
     assert _config(33, 64, torch.float16).splits == _config(33, 64, torch.float32).splits == 1
 
 
-@pytest.fixture
-def row_independent_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In the interpreter, make tl.dot give each output element from its own row and column by one
-    fixed computation, as a GPU MMA does.
-    # NOTE: the interpreter's tl.dot is np.matmul, i.e. the CPU BLAS, whose kernels round a row
-    # differently by its position in the tile (rows 6-11 of 16 on some CPUs); that is the emulator's
-    # property, not the kernel's, so the invariance of the kernel's own structure (tiling, splits,
-    # their fixed-order sum, masks, M) is checked with a dot that has none (exact products of the
-    # float32-widened inputs, added over k in order). The MMA itself is checked on the GPU."""
-    if not INTERPRET:
-        return
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        prod = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
-        acc = d.data.copy()
-        for k in range(prod.shape[1]):
-            acc += prod[:, k, :]
-        return TensorHandle(acc, d.dtype.scalar)
-
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", dot)
-
-
 @small
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("N,K,splits", [(4, 2048, None), (40, 300, 1), (40, 300, 2)])
-def test_rows_are_invariant(
-    row_independent_dot: None, dtype: torch.dtype, N: int, K: int, splits: int | None
-) -> None:
+@pytest.mark.usefixtures("row_independent_dot")
+def test_rows_are_invariant(dtype: torch.dtype, N: int, K: int, splits: int | None) -> None:
     x, w = _problem(20, N, K, dtype, seed=7)
     full = small_m_linear(x, w, splits=splits)
     for i in (5, 16, 19):  # a row alone, from a view (at an odd row: unaligned for K = 300 fp16)

@@ -1,12 +1,18 @@
-"""Row-invariant routed experts of decode rows (MoE) for CUDA as a grouped GEMM: each active expert's
-weights are read once per call, however many rows use it. Four Triton kernels, no host reads.
+"""Routed experts (MoE) for CUDA as a deterministic grouped GEMM: each active expert's weights are read
+once per call, however many rows use it. Four Triton kernels, no host reads, no atomics. Two entries
+run the same kernels:
+- `grouped_decode_experts`, decode rows: fixed blocks, row-invariant (a row's bits never depend on M
+  or on the other rows). Reference: `_experts_by_row` in nextserve/ops/moe.py (per row, its experts in
+  ascending id order); same contract as `routed_experts` (ops/triton/moe_decode.py), which reads an
+  expert once per (row, expert) pair: at M=32 rows (320 pairs over ~240 distinct of 512 experts) that
+  is ~1.3x the bytes.
+- `grouped_experts`, prefill chunks: wider tiles and BLOCK_M chosen from T*k/E (`default_block_m`), so
+  deterministic but not row-invariant; the pairs sorted by torch.sort (see `plan`). Reference: the
+  per-expert loop `_experts_by_expert` in nextserve/ops/moe.py.
 
-Reference: `_experts_by_row` in nextserve/ops/moe.py (per row, its experts in ascending id order);
-same contract as `routed_experts` (ops/triton/moe_decode.py), which reads an expert once per (row,
-expert) pair: at M=32 rows (320 pairs over ~240 distinct of 512 experts) that is ~1.3x the bytes.
-
-# NOTE: the design is moe_prefill.py's (pairs grouped by expert, blocks of at most BLOCK_M pairs of one
-# expert, tl.dot grouped GEMMs, a per-row combine in ascending expert id), with decode's constraints:
+# NOTE: the design is vLLM's fused_moe without its atomics: pairs grouped by expert, blocks of at most
+# BLOCK_M pairs of one expert, tl.dot grouped GEMMs, a per-row combine in ascending expert id. For
+# decode:
 #   0. `_plan`, program p: the sorted position of pairs CHUNK*p.. (their rank by (expert id, pair
 #      index), counted by comparisons against every pair: no torch.sort, whose launches cost more than
 #      the work at n <= 320 pairs), and the block table entries CHUNK*p.. (block b -> (expert or -1,
@@ -14,6 +20,9 @@ expert) pair: at M=32 rows (320 pairs over ~240 distinct of 512 experts) that is
 #      The number of blocks is bounded from the shapes alone, sum_e cdiv(c_e, BLOCK_M) <=
 #      (n + min(E, n) * (BLOCK_M - 1)) // BLOCK_M for n = M*k pairs; blocks past the last exit at once,
 #      so every grid is a function of (M, k, E, block sizes): capturable in a CUDA graph.
+#      Prefill (`SORTED`): the ranking costs O(n^2) comparisons, too many at n = T*k of a chunk (20k
+#      pairs at T=2048), so the pairs are sorted by torch.sort (stable: ties in pair order, the same
+#      order) and each plan program finds every expert's run by binary search over the sorted ids.
 #   1. `_gate_up`, program (block, I tile): a masked [BLOCK_M, BLOCK_K] gather of x rows (padding rows
 #      are zeros, not loaded) times the expert's gate and up tiles (two tl.dot, float32 accumulators),
 #      then silu(g) * u, stored to act [n, I] at the pairs' sorted positions.
@@ -35,13 +44,19 @@ expert) pair: at M=32 rows (320 pairs over ~240 distinct of 512 experts) that is
 #   only); the pointers whose alignment follows a view's offset (ids, weights) are
 #   `do_not_specialize_on_alignment`, and x is copied when not 16-byte aligned, so one compiled binary
 #   of each kernel serves every M. No atomics: two calls on equal inputs give equal bits.
+# NOTE: prefill (`grouped_experts`) uses the same kernels with other blocks; the block sizes (BLOCK_M
+# included) are part of the numerics, so its bits are fixed for a given T, not row by row. At 64
+# tokens or more a chunk touches most of the 512 experts (5 GB of bf16 a layer): the call is bound by
+# reading each active expert's weights once (about 1 ms on an H200), so its tiles are wider (gate/up
+# 64 x 64, down 128 x 64) and BLOCK_M follows the mean pairs per expert (16 to 64): a smaller BLOCK_M
+# only saves MMA work on the mostly empty blocks. benchmarks/bench_moe_prefill.py sweeps them.
 # NOTE: speed at the real sizes (H=2560, I=640, E=512, k=10, bf16: 9.8 MB of weights an expert) on an
 # H200. Decode is bound by streaming the distinct experts' weights (M=1: 10 experts, 98 MB; M=32: ~240
 # experts, 2.4 GB); a block holds 1.0-1.4 real pairs on average at M <= 32, so the MMA rows are mostly
 # padding and cost nothing that matters. The blocks aim at many weight bytes in flight with enough
 # programs at M=1: gate/up tiles of 32 x 128 (2 x 8 KB a stage, 4 stages; 10 x 20 = 200 programs at
 # M=1), down tiles of 64 x 128 (16 KB a stage; 10 x 40 = 400 programs at M=1).
-# benchmarks/bench_moe_grouped_decode.py compares it with routed_experts and sweeps the blocks.
+# benchmarks/bench_moe_grouped_decode.py compares decode with routed_experts and sweeps the blocks.
 # NOTE: the roundings follow the reference: gate and up rounded to the model dtype (as F.linear's
 # output is), silu and the product rounded to it, y rounded to it, y * w rounded to it, then
 # out = out + y * w rounded to it after each expert. Only the order inside each dot differs (float32
@@ -59,32 +74,55 @@ BLOCK_M = 16
 PLAN_CHUNK = 32  # pairs ranked and blocks planned per plan program
 PLAN_Q = 32  # pairs compared per step of the plan's loops
 _INT_BIG = 1 << 30  # an id above every expert: masked pairs count nowhere
+_SEARCH_STEPS = 31  # binary search steps of the SORTED plan: enough for n < 2**30 pairs
+
+
+@triton.jit
+def _lower_bound(sorted_ptr, n, v, SEARCH_STEPS: tl.constexpr):
+    """For each value of v: the first index i in [0, n) with sorted[i] >= v (n if none)."""
+    lo = tl.zeros_like(v)
+    hi = tl.zeros_like(v) + n
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        s = tl.load(sorted_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (s < v), mid + 1, lo)
+        hi = tl.where(active & (s >= v), mid, hi)
+    return lo
 
 
 @triton.jit(do_not_specialize=["n", "NB_MAX"], do_not_specialize_on_alignment=["ids_ptr"])
 def _plan(
     ids_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, n, E, NB_MAX,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, Q: tl.constexpr,
-    BIG: tl.constexpr,
+    BIG: tl.constexpr, SORTED: tl.constexpr = False, SEARCH_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     """order[rank(p)] = p for pairs p = CHUNK*pid.., rank(p) = #{q : (id_q, q) < (id_p, p)} (a stable
-    sort by expert id); and blocks b = CHUNK*pid.. of the plan: b -> (expert or -1, lo, hi)."""
+    sort by expert id); and blocks b = CHUNK*pid.. of the plan: b -> (expert or -1, lo, hi).
+    SORTED (prefill): ids are already sorted and order is not written; every program finds each
+    expert's run by binary search (SEARCH_STEPS >= log2(n + 1) steps; the steps after a search ends
+    load nothing), and plans its blocks only."""
     pid = tl.program_id(0)
-    p = pid * CHUNK + tl.arange(0, CHUNK)
-    mask_p = p < n
-    ep = tl.load(ids_ptr + p, mask=mask_p, other=0).to(tl.int32)
-    e = tl.arange(0, E_PAD)
-    rank = tl.zeros((CHUNK,), dtype=tl.int32)
-    start = tl.zeros((E_PAD,), dtype=tl.int32)  # expert e's run in the sorted pairs: [start, end)
-    end = tl.zeros((E_PAD,), dtype=tl.int32)
-    for q0 in range(0, n, Q):
-        q = q0 + tl.arange(0, Q)
-        eq = tl.load(ids_ptr + q, mask=q < n, other=BIG).to(tl.int32)
-        before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))
-        rank += tl.sum(before.to(tl.int32), axis=1)
-        start += tl.sum((eq[None, :] < e[:, None]).to(tl.int32), axis=1)
-        end += tl.sum((eq[None, :] <= e[:, None]).to(tl.int32), axis=1)
-    tl.store(order_ptr + rank, p, mask=mask_p)
+    if SORTED:
+        e = tl.arange(0, E_PAD)
+        start = _lower_bound(ids_ptr, n, e, SEARCH_STEPS)  # expert e's run in the sorted pairs
+        end = _lower_bound(ids_ptr, n, e + 1, SEARCH_STEPS)
+    else:
+        p = pid * CHUNK + tl.arange(0, CHUNK)
+        mask_p = p < n
+        ep = tl.load(ids_ptr + p, mask=mask_p, other=0).to(tl.int32)
+        e = tl.arange(0, E_PAD)
+        rank = tl.zeros((CHUNK,), dtype=tl.int32)
+        start = tl.zeros((E_PAD,), dtype=tl.int32)  # expert e's run in the sorted pairs: [start, end)
+        end = tl.zeros((E_PAD,), dtype=tl.int32)
+        for q0 in range(0, n, Q):
+            q = q0 + tl.arange(0, Q)
+            eq = tl.load(ids_ptr + q, mask=q < n, other=BIG).to(tl.int32)
+            before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))
+            rank += tl.sum(before.to(tl.int32), axis=1)
+            start += tl.sum((eq[None, :] < e[:, None]).to(tl.int32), axis=1)
+            end += tl.sum((eq[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        tl.store(order_ptr + rank, p, mask=mask_p)
     nb = tl.where(e < E, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(nb, 0)  # inclusive: expert e's blocks are [cum - nb, cum)
     b = pid * CHUNK + tl.arange(0, CHUNK)
@@ -234,20 +272,32 @@ def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
     return (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m
 
 
-def plan(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [n] int32: the pairs r*k + s stably sorted by expert id, blocks [3, nb] int32: per block
-    its expert (-1 past the last block), and its range [lo, hi) over the sorted pairs)."""
+def plan(
+    ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, sort: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [n]: the pairs r*k + s stably sorted by expert id, blocks [3, nb] int32: per block its
+    expert (-1 past the last block), and its range [lo, hi) over the sorted pairs). Decode (sort
+    False) ranks the pairs in the plan kernel (order int32); prefill (sort True) sorts them with
+    torch.sort (order int64), then plans the blocks from the sorted ids."""
     n = ids.numel()
     nb_max = max_blocks(n, num_experts, block_m)
-    order = torch.empty(n, dtype=torch.int32, device=ids.device)
     # NOTE: rows padded to 4 entries (16 bytes), so the three rows' pointers are equally aligned at
     # every M.
     blk = torch.empty((3, triton.cdiv(max(nb_max, 1), 4) * 4), dtype=torch.int32, device=ids.device)
-    _plan[(triton.cdiv(n, PLAN_CHUNK),)](
-        ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=PLAN_CHUNK, Q=PLAN_Q,
-        BIG=_INT_BIG,
-    )  # fmt: skip
+    consts = dict(BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=PLAN_CHUNK, Q=PLAN_Q,
+                  BIG=_INT_BIG)  # fmt: skip
+    if sort:
+        assert n < _INT_BIG, n
+        sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+        _plan[(triton.cdiv(nb_max, PLAN_CHUNK),)](
+            sorted_ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts,
+            SORTED=True, SEARCH_STEPS=_SEARCH_STEPS,
+        )  # fmt: skip
+    else:
+        order = torch.empty(n, dtype=torch.int32, device=ids.device)
+        _plan[(triton.cdiv(n, PLAN_CHUNK),)](
+            ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts,
+        )  # fmt: skip
     return order, blk[:, :nb_max]
 
 
@@ -276,6 +326,57 @@ def grouped_decode_experts(
     are part of the numerics: a row's bits are fixed for given blocks, whatever M and the other rows;
     they are never chosen from M or the routing. A repeated id in a row is still summed, in slot order,
     as the reference does."""
+    return _grouped(
+        x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
+        warps, warps_down, stages, stages_down, block_h_combine, sort=False,
+    )  # fmt: skip
+
+
+def default_block_m(pairs: int, num_experts: int) -> int:
+    """Prefill's BLOCK_M for n pairs over E experts: about the mean pairs per expert, 16 to 64 (the MMA
+    rows of a mostly empty block are wasted; an expert with more pairs than BLOCK_M is cut into more
+    blocks)."""
+    mean = pairs / max(num_experts, 1)
+    return 16 if mean <= 8 else 32 if mean <= 24 else 64
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+    block_n_down: int = 128,
+    block_k_down: int = 64,
+    warps: int = 4,
+    warps_down: int = 4,
+    stages: int = 4,
+    stages_down: int = 4,
+    block_h_combine: int = 512,
+) -> torch.Tensor:
+    """The prefill entry: x [T, H]; weights [T, k]; ids [T, k] (int32/int64, < E); gate_up [E, 2I, H]
+    (gate rows first); down [E, H, I]. Returns [T, H] in x.dtype: per token, sum over its k experts
+    taken in ascending expert id of w * down(silu(gate·x) * (up·x)).
+
+    Deterministic (no atomics) and free of host reads, the kernels of `grouped_decode_experts` with
+    prefill's blocks and the pairs sorted by torch.sort. block_m None picks it from T*k/E
+    (`default_block_m`); the block sizes are part of the numerics. A repeated id in a row is still
+    summed, in slot order, as the reference does."""
+    bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
+    return _grouped(
+        x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
+        warps, warps_down, stages, stages_down, block_h_combine, sort=True,
+    )  # fmt: skip
+
+
+def _grouped(
+    x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
+    warps, warps_down, stages, stages_down, block_h_combine, sort: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The four launches of both entries (sort: how `plan` orders the pairs)."""
     M, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = gate_up.shape
@@ -294,7 +395,7 @@ def grouped_decode_experts(
         x = x.clone()
     ids = ids.contiguous()
     weights = weights.contiguous()
-    order, blk = plan(ids, E, block_m)
+    order, blk = plan(ids, E, block_m, sort)
     nb = blk.shape[1]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty((n, I), dtype=x.dtype, device=x.device)
