@@ -168,6 +168,28 @@ def test_select_decode_tokens_equals_select_tokens(topk: int) -> None:
         assert (row[nv:] == -1).all()
 
 
+def test_prefill_and_decode_selection_agree_on_ties() -> None:
+    """Random signs make relu scores of exactly 0 common; `select_tokens` (the prefill chunk path
+    before it used these ops, and the oracle's rule) and `select_decode_tokens` must still pick the
+    same blocks: ties go to the lower block in both (a mismatch here once made decode rows differ
+    from the chunk path)."""
+    lengths = list(range(1, 50))
+    p = make_paged(lengths, TINY, seed=3)
+    c, topk = TINY["c"], 2
+    scores = index_scores(p.q_idx, p.key_plane, p.block_table, p.n_blocks, p.max_blocks)
+    tied = sum(int((scores[b, : int(p.n_blocks[b])] == 0).sum() > 1) for b in range(len(lengths)))
+    assert tied > 5  # the case this test is for actually occurs
+    tokens = select_decode_tokens(scores, p.n_blocks, p.positions, c, topk)
+    for b, n in enumerate(lengths):
+        nb = int(p.n_blocks[b])
+        # the rule, written out: highest score first, the lower block among equals
+        blocks = sorted(sorted(range(nb), key=lambda j: (-float(scores[b, j]), j))[:topk])
+        want = [j * c + i for j in blocks for i in range(c)] + list(range(nb * c, n))
+        (chunk_path,) = select_tokens(p.q_idx[b : b + 1], p.keys[b], [n - 1], c, topk)
+        assert chunk_path.tolist() == want, n
+        assert tokens[b][: len(want)].tolist() == want, n
+
+
 def test_select_decode_tokens_narrow_scores_and_ties() -> None:
     c, topk = 4, 3
     # max_blocks < block_topk: every valid block, padded
