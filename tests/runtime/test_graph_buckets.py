@@ -3,11 +3,12 @@ test: tests/gpu/test_cuda_graphs.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nextserve.cache.kv_pool import KVPool
 from nextserve.cache.states import StateSlots
-from nextserve.runtime.graph_runner import bucket_sizes
+from nextserve.runtime.graph_runner import GraphRunner, bucket_sizes
 
 
 def test_bucket_sizes_cover_every_batch() -> None:
@@ -29,3 +30,21 @@ def test_scratch_slot_and_page_are_never_handed_out(oracle_config) -> None:
     assert pool.scratch_page == 5 and pool.scratch_page not in got_pages
     assert slots.gdn_rec.shape[1] == 4 and pool.k.shape[1] == 6  # storage holds the scratch too
     assert slots.num_free == 0 and pool.num_free == 0
+
+
+def test_fill_pads_with_the_scratch_slot_and_page(oracle_config) -> None:
+    """The static inputs of a replay (built on the CPU here: the buffers are plain tensors)."""
+    slots = StateSlots(oracle_config, 4, 2, torch.float32)
+    pool = KVPool(oracle_config, 2, 9, 16, torch.float32)
+    g = GraphRunner.__new__(GraphRunner)  # no CUDA here: set the buffers up by hand
+    g.pool, g.states, g.max_pages = pool, slots, 3
+    g.meta, g.table = torch.full((3, 4), -1, dtype=torch.long), torch.full((4, 3), -1, dtype=torch.int32)
+    g.meta_host, g.table_host = torch.zeros((3, 4), dtype=torch.long), torch.zeros((4, 3), dtype=torch.int32)
+    g._meta_np, g._table_np = g.meta_host.numpy(), g.table_host.numpy()
+    g._fill([11, 12], [40, 7], [2, 0], [[5, 6, 1], [3]], G=4)
+    assert g.meta.tolist() == [[11, 12, 0, 0], [40, 7, 0, 0], [2, 0, 4, 4]]
+    assert g.table.tolist() == [[5, 6, 1], [3, 9, 9], [9, 9, 9], [9, 9, 9]]
+    g._fill([13], [8], [1], [[2]], G=1)  # a smaller bucket rewrites only its rows
+    assert g.meta[:, 0].tolist() == [13, 8, 1] and g.table[0].tolist() == [2, 9, 9]
+    with pytest.raises(ValueError, match="exceeds"):
+        g._fill([1], [1], [1], [[1, 2, 3, 4]], G=1)
