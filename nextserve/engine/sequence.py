@@ -43,6 +43,19 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, position: int) -> int:
+        """The token at `position` (prompt, then output) without building all_ids: a decode step
+        reads one token per row, and all_ids costs O(context) per call."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end-1 (a prefill chunk) without copying the whole context."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:n] + self.output_ids[max(0, start - n) : end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

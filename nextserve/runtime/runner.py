@@ -52,7 +52,7 @@ class ModelRunner:
         for ch in chunks:
             ch.seq.cache.own_page_at(ch.start)
         return (
-            [ch.seq.all_ids[ch.start] for ch in chunks],
+            [ch.seq.token_at(ch.start) for ch in chunks],
             [ch.start for ch in chunks],
             [ch.seq.cache.slot for ch in chunks],
             [ch.seq.cache.block_table for ch in chunks],
@@ -82,7 +82,7 @@ class ModelRunner:
     def _batch(self, chunks: list[Chunk], row_invariant: bool) -> ForwardBatch:
         ids, pos, spans = [], [], []
         for ch in chunks:
-            ids += ch.seq.all_ids[ch.start : ch.end]
+            ids += ch.seq.tokens(ch.start, ch.end)
             pos += range(ch.start, ch.end)
             spans.append(SeqChunk(ch.seq.cache, ch.start, ch.end - ch.start))
         return ForwardBatch(
