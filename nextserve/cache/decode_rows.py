@@ -27,13 +27,13 @@ class DecodeRows:
         self.slots, self.positions, self.block_table = slots, positions, block_table
 
     def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.states.gdn_conv[gdn_index], self.states.gdn_rec[gdn_index]
+        return self.states.gdn_planes(gdn_index)
 
     def ple_planes(self, ple_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.states.ple_ctx[ple_index], self.states.ple_conv[ple_index]
+        return self.states.ple_planes(ple_index)
 
     def index_tail_plane(self, attn_index: int) -> torch.Tensor:
-        return self.states.index_tail[attn_index]
+        return self.states.tail_plane(attn_index)
 
     def _page_of(self, index: torch.Tensor, per_page: int) -> torch.Tensor:
         """The page holding each row's `index`-th token/block: block_table[b, index[b] // per_page]."""
@@ -43,8 +43,9 @@ class DecodeRows:
     def write_kv(self, attn_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         P = self.pool.page_size
         page, off = self._page_of(self.positions, P), self.positions % P
-        self.pool.k[attn_index].index_put_((page, off), k)
-        self.pool.v[attn_index].index_put_((page, off), v)
+        k_plane, v_plane, _ = self.pool.planes(attn_index)
+        k_plane.index_put_((page, off), k)
+        v_plane.index_put_((page, off), v)
 
     def write_block_key(self, attn_index: int, keys: torch.Tensor) -> None:
         # NOTE: rows whose block is still open write a placeholder there too (no branch, so the step
@@ -53,12 +54,7 @@ class DecodeRows:
         bpp = self.pool.blocks_per_page
         block = torch.div(self.positions, self.pool.page_size // bpp, rounding_mode="floor")
         page, idx = self._page_of(block, bpp), block % bpp
-        self.pool.block_keys[attn_index].index_put_((page, idx), keys)
+        self.pool.planes(attn_index)[2].index_put_((page, idx), keys)
 
     def kv_view(self, attn_index: int) -> KVView:
-        return KVView(
-            self.pool.k[attn_index],
-            self.pool.v[attn_index],
-            self.pool.block_keys[attn_index],
-            self.block_table,
-        )
+        return KVView(*self.pool.planes(attn_index), self.block_table)

@@ -21,13 +21,17 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        first_attn: int = 0,
     ) -> None:
+        """Planes for attention indices first_attn .. first_attn + num_attn_layers - 1 (a pipeline
+        stage keeps only its own layers'; the MTP layer's index is n_qsa)."""
         c = cfg.indexer_compress_ratio
         if page_size % c:
             raise ValueError(f"page_size {page_size} must be a multiple of indexer_compress_ratio {c}")
         if num_pages <= 0:
             raise ValueError("the KV pool needs at least one page")
         self.page_size, self.blocks_per_page, self.num_pages = page_size, page_size // c, num_pages
+        self.attn = range(first_attn, first_attn + num_attn_layers)
         # NOTE: one page more than the free list holds: the scratch page padded decode rows (graph
         # buckets) write to. No sequence ever owns it, so nothing reads what lands there.
         self.scratch_page = num_pages
@@ -43,6 +47,13 @@ class KVPool:
         # refcount > 1 and are copied before a write (copy-on-write).
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+
+    def planes(self, attn_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V, compressed indexer keys) of one attention layer (model-wide index), every page."""
+        if attn_index not in self.attn:
+            raise IndexError(f"attention index {attn_index} is not held here (this pool holds {self.attn})")
+        i = attn_index - self.attn.start
+        return self.k[i], self.v[i], self.block_keys[i]
 
     @property
     def num_free(self) -> int:

@@ -104,13 +104,15 @@ class SequenceCache:
 
     # ---- SeqCache ------------------------------------------------------------------------------
     def gdn_state(self, gdn_index: int):
-        return self.slots.gdn_conv[gdn_index, self.slot], self.slots.gdn_rec[gdn_index, self.slot]
+        conv, rec = self.slots.gdn_planes(gdn_index)
+        return conv[self.slot], rec[self.slot]
 
     def ple_state(self, ple_index: int):
-        return self.slots.ple_ctx[ple_index, self.slot], self.slots.ple_conv[ple_index, self.slot]
+        ctx, conv = self.slots.ple_planes(ple_index)
+        return ctx[self.slot], conv[self.slot]
 
     def index_tail(self, attn_index: int) -> torch.Tensor:
-        return self.slots.index_tail[attn_index, self.slot]
+        return self.slots.tail_plane(attn_index)[self.slot]
 
     def _own_pages(self, first: int, last: int) -> None:
         """Copy-on-write: pages first..last of the table become this sequence's own."""
@@ -146,14 +148,14 @@ class SequenceCache:
 
     def write_kv(self, attn_index: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         pages, offs = self._addresses(start, k.shape[0])
-        self.pool.k[attn_index, pages, offs] = k
-        self.pool.v[attn_index, pages, offs] = v
+        k_plane, v_plane, _ = self.pool.planes(attn_index)
+        k_plane[pages, offs] = k
+        v_plane[pages, offs] = v
 
     def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._table()[: self.pool.pages_for(length)]
-        k = self.pool.k[attn_index, table].flatten(0, 1)[:length]
-        v = self.pool.v[attn_index, table].flatten(0, 1)[:length]
-        return k, v
+        k_plane, v_plane, _ = self.pool.planes(attn_index)
+        return k_plane[table].flatten(0, 1)[:length], v_plane[table].flatten(0, 1)[:length]
 
     def write_block_keys(self, attn_index: int, first_block: int, keys: torch.Tensor) -> None:
         bpp, c, P = (
@@ -164,12 +166,12 @@ class SequenceCache:
         last_block = first_block + keys.shape[0] - 1
         self._own_pages(first_block * c // P, last_block * c // P)
         blocks = torch.arange(first_block, last_block + 1, device=self.pool.k.device)
-        self.pool.block_keys[attn_index, self._table()[blocks // bpp], blocks % bpp] = keys
+        self.pool.planes(attn_index)[2][self._table()[blocks // bpp], blocks % bpp] = keys
 
     def kv_view(self, attn_index: int) -> KVView:
-        pool, table = self.pool, self._table().to(torch.int32)[None]  # [1, pages]
-        return KVView(pool.k[attn_index], pool.v[attn_index], pool.block_keys[attn_index], table)
+        k, v, keys = self.pool.planes(attn_index)
+        return KVView(k, v, keys, self._table().to(torch.int32)[None])  # table [1, pages]
 
     def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
         table = self._table()[: -(-n_blocks // self.pool.blocks_per_page)]
-        return self.pool.block_keys[attn_index, table].flatten(0, 1)[:n_blocks]
+        return self.pool.planes(attn_index)[2][table].flatten(0, 1)[:n_blocks]

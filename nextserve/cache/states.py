@@ -3,9 +3,44 @@ and conv history, and the indexer's open-block raw keys."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import ModelConfig
+
+
+def _span(kind_layers: tuple[int, ...], layers: range) -> range:
+    """The per-kind indices of the layers of `kind_layers` that lie in `layers` (contiguous)."""
+    inside = [k for k, i in enumerate(kind_layers) if i in layers]
+    before = sum(1 for i in kind_layers if i < layers.start)
+    return range(inside[0], inside[-1] + 1) if inside else range(before, before)
+
+
+@dataclass(frozen=True)
+class KindRange:
+    """The per-kind indices (GDN, PLE, attention) whose state one holder keeps: the whole model, or a
+    pipeline stage's layer range. Attention index n_qsa is the MTP layer's, kept by the last stage."""
+
+    gdn: range
+    ple: range
+    attn: range
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, layers: range | None = None, with_mtp: bool = True) -> KindRange:
+        layers = layers if layers is not None else range(cfg.num_hidden_layers)
+        attn = _span(cfg.qsa_layers, layers)
+        if with_mtp and layers.stop == cfg.num_hidden_layers:
+            attn = range(attn.start, len(cfg.qsa_layers) + 1)
+        return cls(_span(cfg.gdn_layers, layers), _span(cfg.ple_layers, layers), attn)
+
+
+def local(kinds: range, index: int, what: str) -> int:
+    """Position of a model-wide kind index in a holder that keeps `kinds`."""
+    if index not in kinds:
+        raise IndexError(f"{what} index {index} is not held here (this stage holds {kinds})")
+    return index - kinds.start
+
 
 # Which tensors make up one slot; a SequenceImage copies exactly these.
 STATE_FIELDS = ("gdn_conv", "gdn_rec", "ple_ctx", "ple_conv", "index_tail")
@@ -19,13 +54,20 @@ class StateSlots:
         num_attn_layers: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kinds: KindRange | None = None,
     ) -> None:
+        """`kinds`: the state this holder keeps (default: every layer's, with `num_attn_layers`
+        attention planes)."""
         if num_slots <= 0:
             raise ValueError("need at least one state slot")
-        self.cfg, self.num_slots = cfg, num_slots
+        if kinds is None:
+            kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(num_attn_layers))
+        elif len(kinds.attn) != num_attn_layers:
+            raise ValueError(f"num_attn_layers {num_attn_layers} != the {len(kinds.attn)} of kinds")
+        self.cfg, self.num_slots, self.kinds = cfg, num_slots, kinds
         # NOTE: one slot more than the free list holds: the scratch slot of padded decode rows.
         self.scratch_slot = num_slots
-        nG, nP, S = len(cfg.gdn_layers), len(cfg.ple_layers), num_slots + 1
+        nG, nP, S = len(kinds.gdn), len(kinds.ple), num_slots + 1
         kw = {"device": device}
         self.gdn_conv = torch.zeros(
             nG, S, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, **kw
@@ -41,6 +83,18 @@ class StateSlots:
         c = cfg.indexer_compress_ratio
         self.index_tail = torch.zeros(num_attn_layers, S, c - 1, cfg.indexer_head_dim, dtype=dtype, **kw)
         self._free = list(range(num_slots - 1, -1, -1))
+
+    def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv histories, recurrent states) of every slot for one GDN layer (model-wide index)."""
+        i = local(self.kinds.gdn, gdn_index, "GDN")
+        return self.gdn_conv[i], self.gdn_rec[i]
+
+    def ple_planes(self, ple_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = local(self.kinds.ple, ple_index, "PLE")
+        return self.ple_ctx[i], self.ple_conv[i]
+
+    def tail_plane(self, attn_index: int) -> torch.Tensor:
+        return self.index_tail[local(self.kinds.attn, attn_index, "attention")]
 
     @property
     def num_free(self) -> int:
