@@ -92,19 +92,16 @@ class ModelRunner:
             row_invariant,
         )
 
-    def _forward(self, chunks: list[Chunk], row_invariant: bool, results: list[ChunkResult]):
-        """Streams of the chunks' last rows to sample from, or None after recording the failure.
+    def _prefill(self, ch: Chunk, results: list[ChunkResult]) -> torch.Tensor | None:
+        """The streams of a prefill chunk's last row [1, nH], or None after recording the failure.
 
-        # NOTE: a failed forward fails exactly the requests in it: each prefill chunk is its own."""
+        # NOTE: a failed forward fails exactly the request in it: each prefill chunk is its own."""
         try:
-            streams = self.model(self._batch(chunks, row_invariant))
+            return self.model(self._batch([ch], row_invariant=False))[-1:]
         except Exception as exc:  # noqa: BLE001
-            log.exception("forward failed")
-            results += [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+            log.exception("prefill forward failed")
+            results.append(ChunkResult(ch, error=_describe(exc)))
             return None
-        if row_invariant:
-            return streams
-        return streams[-1:]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
@@ -113,7 +110,7 @@ class ModelRunner:
         # NOTE: a prefill chunk runs alone, exactly as in the serial reference; decode rows share
         # one row-invariant forward, so each gets the bits it would get alone (C1).
         for ch in plan.prefills:
-            last = self._forward([ch], False, results)
+            last = self._prefill(ch, results)
             if last is None:
                 continue
             if ch.sample:
