@@ -245,7 +245,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         _free(device)
 
     # Longer prompts last, each only if the budget allows (estimated from the first length, linear for
-    # nextserve's per-row reference ops, with margin for transformers' quadratic attention masks).
+    # nextserve's kernels and the warm-up prefill, with margin for transformers' quadratic attention masks).
     if hf is not None and hf_res.get("prefill") and "error" not in hf_res:
         hf_per_token = hf_res["prefill"][0]["ttft_s"] / lengths[0]
         for L in lengths[1:]:
