@@ -29,6 +29,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "memory_headroom_mib": "GPU memory left free when sizing the KV pool automatically",
     "cpu_kv_budget_mib": "KV pool size on the CPU when kv_capacity is auto",
     "seed": "engine seed for requests that give none",
+    "host_state_slots": "prefix images kept in host memory when the device keeps no more "
+    "(needs --prefix-cache-images; 0: off); a prompt resumes from them as from device images",
+    "host_kv_mib": "host memory (MiB) the host image store may hold",
     "cuda_graph": "replay each decode step as a CUDA graph per batch-size bucket (GPU only; "
     "--no-cuda-graph runs the same kernels eagerly)",
 }

@@ -275,6 +275,8 @@ class EngineConfig:
     prefix_cache_images: int = 0  # grid images kept for prefix reuse (0: off)
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs (GPU only)
+    host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
+    host_kv_mib: int = 4096  # host memory the host image store may use
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -288,9 +290,12 @@ class EngineConfig:
             raise ConfigError(f"kv_capacity must be a positive integer or 'auto', got {self.kv_capacity!r}")
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context <= 0):
             raise ConfigError(f"max_context must be a positive integer, got {self.max_context!r}")
-        for name in ("prefix_cache_images", "prefix_anchor_chunks", "seed"):
+        counts = ("prefix_cache_images", "prefix_anchor_chunks", "seed", "host_state_slots", "host_kv_mib")
+        for name in counts:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if self.host_state_slots and not self.prefix_cache_images:
+            raise ConfigError("host_state_slots needs prefix_cache_images > 0 (it keeps device spills)")
         if not isinstance(self.cuda_graph, bool):
             raise ConfigError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:

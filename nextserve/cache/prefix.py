@@ -1,5 +1,5 @@
 """Which sequence images to keep and find: images on the prefill chunk grid, keyed by a hash of the
-token prefix they hold, least recently used first out."""
+token prefix they hold, least recently used first out (to the host image store, when there is one)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .host_store import HostImageStore, spill, unspill
 from .kv_pool import KVPool
 from .sequence import SequenceImage, release_image
 
@@ -29,9 +30,10 @@ class _Entry:
 class PrefixCache:
     """At most `capacity` images. Their pages are shared (refcounted) with the sequences using them."""
 
-    def __init__(self, pool: KVPool, chunk: int, capacity: int) -> None:
-        self.pool, self.chunk, self.capacity = pool, chunk, capacity
+    def __init__(self, pool: KVPool, chunk: int, capacity: int, host: HostImageStore | None = None) -> None:
+        self.pool, self.chunk, self.capacity, self.host = pool, chunk, capacity, host
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self.host_hits = 0  # lookups served by bringing an image back from the host store
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,10 +44,21 @@ class PrefixCache:
         hashes = grid_hashes(prompt, self.chunk)
         for k in range(len(hashes) - 1, -1, -1):
             length = (k + 1) * self.chunk
+            if length >= len(prompt):
+                continue
+            tokens = tuple(prompt[:length])
             entry = self._entries.get(hashes[k])
-            if length < len(prompt) and entry is not None and entry.tokens == tuple(prompt[:length]):
+            if entry is not None and entry.tokens == tokens:
                 self._entries.move_to_end(hashes[k])
                 return entry.image
+            if self.host is not None and (host := self.host.get(hashes[k], tokens)) is not None:
+                image = unspill(self.pool, host, self.pool.k.device)
+                if image is None:
+                    continue  # no free pages to bring it back: a shorter image or a cold prefill
+                self.host.drop(hashes[k])
+                self.host_hits += 1
+                self._insert(hashes[k], tokens, image)
+                return image
         return None
 
     def wants(self, tokens: list[int]) -> bool:
@@ -58,19 +71,32 @@ class PrefixCache:
         if key in self._entries:
             release_image(self.pool, image)
             return
-        self._entries[key] = _Entry(image, tuple(tokens))
+        if self.host is not None:
+            self.host.drop(key)  # the device image supersedes a spilled one
+        self._insert(key, tuple(tokens), image)
+
+    def _insert(self, key: bytes, tokens: tuple[int, ...], image: SequenceImage) -> None:
+        self._entries[key] = _Entry(image, tokens)
         while len(self._entries) > self.capacity:
-            self.evict_one()
+            self.evict_one(keep=image)
 
     def evict_one(self, keep: SequenceImage | None = None) -> bool:
-        """Drop the least recently used image (not `keep`); False when there is none to drop."""
+        """Drop the least recently used image (not `keep`) from the device, to the host store when
+        there is one (its device pages are released either way); False when there is none to drop."""
         for key, entry in self._entries.items():
             if entry.image is not keep:
                 del self._entries[key]
-                release_image(self.pool, entry.image)
+                if self.host is not None:
+                    self.host.put(key, entry.tokens, spill(self.pool, entry.image))
+                else:
+                    release_image(self.pool, entry.image)
                 return True
         return False
 
     def clear(self) -> None:
-        while self.evict_one():
-            pass
+        """Drop every image, device and host."""
+        for entry in self._entries.values():
+            release_image(self.pool, entry.image)
+        self._entries.clear()
+        if self.host is not None:
+            self.host.clear()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.host_store import HostImageStore
 from ..cache.kv_pool import KVPool, PoolExhausted
 from ..cache.prefix import PrefixCache
 from ..cache.states import StateSlots
@@ -77,8 +78,13 @@ class LLMEngine:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
         num_pages = -(-capacity // config.page_size)
         self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
+        host = (
+            HostImageStore(config.host_state_slots, config.host_kv_mib * 2**20)
+            if config.host_state_slots > 0
+            else None
+        )
         self.prefix = (
-            PrefixCache(self.pool, config.prefill_chunk, config.prefix_cache_images)
+            PrefixCache(self.pool, config.prefill_chunk, config.prefix_cache_images, host)
             if config.prefix_cache_images > 0
             else None
         )
@@ -280,8 +286,11 @@ class LLMEngine:
             self.prefix.clear()
 
     def stats(self) -> dict[str, int]:
+        host = self.prefix.host if self.prefix is not None else None
         return {
             "prefix_images": len(self.prefix) if self.prefix is not None else 0,
+            "host_images": len(host) if host is not None else 0,
+            "host_image_hits": self.prefix.host_hits if self.prefix is not None else 0,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_total": self.pool.num_pages,
             "state_slots_free": self.slots.num_free,

@@ -1,0 +1,98 @@
+"""The host image store: prefix images spilled from the device when the device keeps no more, and
+brought back (copied into fresh pages) when a prompt resumes from one. Bounded in images and bytes,
+least recently used out. Copies are bit for bit, so a restored image resumes exactly as the device
+image would have (C1)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .kv_pool import KVPool
+from .sequence import SequenceImage, release_image
+
+
+@dataclass
+class HostImage:
+    """A SequenceImage's contents in host memory: its state slot copy and its pages' planes."""
+
+    length: int
+    state: dict[str, torch.Tensor]
+    k: torch.Tensor  # [n_attn, n_pages, P, Nkv, D]
+    v: torch.Tensor
+    block_keys: torch.Tensor  # [n_attn, n_pages, P // c, di]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.k, self.v, self.block_keys, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def spill(pool: KVPool, image: SequenceImage) -> HostImage:
+    """Copy an image to host memory and drop its device page references."""
+    pages = torch.tensor(image.pages, dtype=torch.long, device=pool.k.device)
+    host = HostImage(
+        image.length,
+        {name: t.to("cpu", copy=True) for name, t in image.state.items()},
+        pool.k[:, pages].to("cpu", copy=True),
+        pool.v[:, pages].to("cpu", copy=True),
+        pool.block_keys[:, pages].to("cpu", copy=True),
+    )
+    release_image(pool, image)
+    return host
+
+
+def unspill(pool: KVPool, host: HostImage, device: torch.device) -> SequenceImage | None:
+    """A device image with the host image's contents in freshly taken pages; None (nothing taken)
+    when the pool has too few free pages."""
+    n = host.k.shape[1]
+    if pool.num_free < n:
+        return None
+    pages = pool.alloc(n)
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
+    pool.k[:, idx] = host.k.to(pool.k.device)
+    pool.v[:, idx] = host.v.to(pool.v.device)
+    pool.block_keys[:, idx] = host.block_keys.to(pool.block_keys.device)
+    state = {name: t.to(device, copy=True) for name, t in host.state.items()}
+    return SequenceImage(host.length, state, pages)
+
+
+class HostImageStore:
+    """At most `max_images` images and `max_bytes` bytes, keyed like the prefix cache."""
+
+    def __init__(self, max_images: int, max_bytes: int) -> None:
+        self.max_images, self.max_bytes = max_images, max_bytes
+        self._entries: OrderedDict[bytes, tuple[tuple[int, ...], HostImage]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: bytes, tokens: tuple[int, ...], image: HostImage) -> None:
+        self.drop(key)
+        if image.nbytes > self.max_bytes:
+            return
+        self._entries[key] = (tokens, image)
+        self.nbytes += image.nbytes
+        while len(self._entries) > self.max_images or self.nbytes > self.max_bytes:
+            _, (_, old) = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def get(self, key: bytes, tokens: tuple[int, ...]) -> HostImage | None:
+        """The image of exactly `tokens` (the tokens are compared: a hash collision never resumes)."""
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != tokens:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry[1].nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
