@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from .triton import use_kernel
+
 
 def select_tokens(
     q_idx: torch.Tensor,
@@ -62,7 +64,6 @@ def sparse_attention(
 
 
 # ---- batched decode over the paged KV cache (graph-capturable on CUDA) ----------------------------
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def index_scores(
@@ -82,7 +83,7 @@ def index_scores(
     # On CUDA one Triton kernel (ops/triton/qsa_decode.py); the per-row loop below is its reference
     # and gives `select_tokens`' scores bit for bit.
     """
-    if q_idx.is_cuda and q_idx.dtype in _TRITON_DTYPES:
+    if use_kernel(q_idx):
         from .triton.qsa_decode import triton_index_scores
 
         return triton_index_scores(q_idx, key_plane, block_table, n_blocks, max_blocks)
@@ -147,7 +148,7 @@ def paged_sparse_attention(
     # On CUDA two Triton kernels (split token list, fixed combine; ops/triton/qsa_decode.py); the
     # per-row loop below is their reference: `sparse_attention` on the gathered tokens, bit for bit.
     """
-    if q.is_cuda and q.dtype in _TRITON_DTYPES:
+    if use_kernel(q):
         from .triton.qsa_decode import triton_paged_sparse_attention
 
         return triton_paged_sparse_attention(q, k_plane, v_plane, block_table, tokens, scaling)

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from .triton import use_kernel
+
 
 def causal_conv(
     x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1
@@ -28,9 +30,6 @@ def causal_conv(
     return out, seq[-L:].t().contiguous() if L else history
 
 
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def conv_step(
     x: torch.Tensor,
     state: torch.Tensor,
@@ -49,7 +48,7 @@ def conv_step(
     # NOTE: every row is its own `causal_conv` call on its own slot (and the kernel gives every row its
     # own programs), so a row's output and its slot's new history never depend on the rows beside it.
     """
-    if x.is_cuda and x.dtype in _TRITON_DTYPES:
+    if use_kernel(x):
         from .triton.conv_step import triton_conv_step
 
         return triton_conv_step(x, state, slots, weight, dilation, silu)

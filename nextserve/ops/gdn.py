@@ -3,8 +3,7 @@
 import torch
 
 from .norms import l2_norm
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .triton import use_kernel
 
 
 def gated_delta_rule(
@@ -27,7 +26,7 @@ def gated_delta_rule(
     # bits of serial decode steps (recurrent_step; tests/ops/test_gdn_chunk.py checks it); elsewhere it
     # is this loop, the kernel's reference.
     """
-    if q.is_cuda and q.dtype in _TRITON_DTYPES and k.dtype in _TRITON_DTYPES and v.dtype in _TRITON_DTYPES:
+    if use_kernel(q, k, v):
         from .triton.gdn_chunk import triton_gated_delta_rule
 
         return triton_gated_delta_rule(q, k, v, g, beta, state)
@@ -83,7 +82,7 @@ def recurrent_step(
     # NOTE: every row is its own `gated_delta_rule` call on its own slot (and the kernel gives every row
     # its own programs), so a row's output and its slot's new state never depend on the rows beside it.
     """
-    if v.is_cuda and v.dtype in _TRITON_DTYPES and state.dtype == torch.float32:
+    if use_kernel(v) and state.dtype == torch.float32:
         from .triton.gdn_step import triton_recurrent_step
 
         return triton_recurrent_step(q, k, v, g, beta, state, slots)

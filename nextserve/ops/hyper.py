@@ -9,12 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from .pointwise import rowwise
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .triton import use_kernel
 
 
 def _triton_ok(*ts: torch.Tensor) -> bool:
-    return ts[0].is_cuda and ts[0].dtype in _TRITON_DTYPES and all(t.dtype == ts[0].dtype for t in ts)
+    return use_kernel(*ts) and all(t.dtype == ts[0].dtype for t in ts)
 
 
 def scaled_silu(v: torch.Tensor, n: int, row_invariant: bool = False) -> torch.Tensor:

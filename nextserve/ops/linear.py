@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .triton import use_kernel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
@@ -18,7 +18,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_invariant: bool = False) -
     """
     if not row_invariant:
         return F.linear(x, weight)
-    if x.is_cuda and x.dtype in _TRITON_DTYPES:
+    if use_kernel(x):
         from .triton.gemv import small_m_linear
 
         return small_m_linear(x, weight)

@@ -3,8 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from .linear import _TRITON_DTYPES, linear
+from .linear import linear
 from .pointwise import rowwise
+from .triton import use_kernel
 
 
 def route(
@@ -19,7 +20,7 @@ def route(
     # construction and free of host reads; the code below (a stable descending sort, the first k) is its
     # reference and the CPU path, and train/layers.py routes by the same rule.
     """
-    if logits.is_cuda and logits.dtype in _TRITON_DTYPES:
+    if use_kernel(logits):
         from .triton.route import triton_route
 
         return triton_route(logits, top_k, normalize)
@@ -51,12 +52,12 @@ def experts(
     # per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the CPU path.
     """
     if row_invariant:
-        if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        if use_kernel(x):
             from .triton.moe_grouped import grouped_decode_experts
 
             return grouped_decode_experts(x, weights, ids, gate_up, down)
         return _experts_by_row(x, weights, ids, gate_up, down)
-    if x.is_cuda and x.dtype in _TRITON_DTYPES:
+    if use_kernel(x):
         from .triton.moe_grouped import grouped_experts
 
         return grouped_experts(x, weights, ids, gate_up, down)

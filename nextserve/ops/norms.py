@@ -8,12 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from .pointwise import rowwise
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .triton import KERNEL_DTYPES, use_kernel
 
 
 def _triton_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in _TRITON_DTYPES and weight.dtype in _TRITON_DTYPES
+    return use_kernel(x) and weight.dtype in KERNEL_DTYPES
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:

@@ -1,1 +1,11 @@
 """Triton GPU kernels. Each has a plain PyTorch reference in nextserve/ops (its oracle, C4)."""
+
+import torch
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def use_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether an op runs its Triton kernel: every tensor on CUDA in a dtype the kernels take (float64
+    and CPU tensors run the PyTorch reference)."""
+    return all(t.is_cuda and t.dtype in KERNEL_DTYPES for t in tensors)
