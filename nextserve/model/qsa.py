@@ -26,18 +26,15 @@ class Indexer(nn.Module):
         self, raw: torch.Tensor, block_starts: torch.Tensor, inv_f: torch.Tensor, ri: bool = False
     ) -> torch.Tensor:
         """raw [m, c, di] raw keys of m complete blocks -> compressed keys [m, di]."""
-        if ri and raw.device.type == "cpu" and raw.shape[0] > 1:
-            # NOTE: CPU reductions and cos/sin may round by where a row falls (ops/pointwise.py).
-            return torch.cat(
-                [
-                    self.block_key(raw[i : i + 1].clone(), block_starts[i : i + 1], inv_f)
-                    for i in range(len(raw))
-                ]
-            )
-        pooled = raw.float().mean(dim=1).to(raw.dtype)
-        normed = rms_norm(pooled, self.k_layernorm.weight, self.eps)
-        cos, sin = cos_sin(block_starts, inv_f, raw.dtype)
-        return apply_rope(normed[:, None, :], cos, sin)[:, 0, :]
+
+        def key(raw: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+            pooled = raw.float().mean(dim=1).to(raw.dtype)
+            normed = rms_norm(pooled, self.k_layernorm.weight, self.eps)
+            cos, sin = cos_sin(starts, inv_f, raw.dtype)
+            return apply_rope(normed[:, None, :], cos, sin)[:, 0, :]
+
+        # NOTE: its reductions and cos/sin run row by row on the CPU in row-invariant mode (pointwise.py).
+        return rowwise(key, raw, ri, block_starts)
 
     def _query(self, u: torch.Tensor, cos, sin, ri: bool, qk=None) -> tuple[torch.Tensor, torch.Tensor]:
         """u [T, H] (or its projection qk, given) -> (normed, roped queries [T, Ni, di], raw keys [T, di])."""

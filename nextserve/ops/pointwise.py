@@ -11,7 +11,13 @@ from collections.abc import Callable
 import torch
 
 
-def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+def rowwise(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, row_invariant: bool, *per_row: torch.Tensor
+) -> torch.Tensor:
+    """fn(x, *per_row), in row-invariant mode on the CPU one row at a time: fn(x[i] copy, *per_row[i]).
+    `per_row` are tensors whose rows go with x's (e.g. each row's position)."""
     if not row_invariant or x.device.type != "cpu":
-        return fn(x)
-    return torch.cat([fn(x[i : i + 1].clone()) for i in range(x.shape[0])], dim=0)
+        return fn(x, *per_row)
+    return torch.cat(
+        [fn(x[i : i + 1].clone(), *(t[i : i + 1] for t in per_row)) for i in range(x.shape[0])], dim=0
+    )
