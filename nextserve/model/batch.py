@@ -21,6 +21,17 @@ class KVView:
     block_keys: torch.Tensor
     block_table: torch.Tensor
 
+    @property
+    def max_blocks(self) -> int:
+        """Indexer blocks the block table can address (its width in blocks)."""
+        return self.block_table.shape[1] * self.block_keys.shape[1]
+
+    def rows(self, n: int) -> KVView:
+        """The view for n query rows: a one-sequence table (prefill rows) repeated for each row."""
+        if self.block_table.shape[0] == n:
+            return self
+        return KVView(self.k, self.v, self.block_keys, self.block_table.expand(n, -1).contiguous())
+
 
 class SeqCache(Protocol):
     """One sequence's state as the model sees it. Indices are per layer kind (gdn / ple / attention)."""

@@ -67,12 +67,9 @@ class Indexer(nn.Module):
         by indexer score among those complete at its position, then its open block.
 
         # NOTE: prefill rows and decode rows select with these same ops, row by row (C1)."""
-        T, table = q.shape[0], view.block_table
-        if table.shape[0] != T:  # one sequence's prefill rows share its table
-            table = table.expand(T, -1).contiguous()
+        view = view.rows(q.shape[0])
         n_blocks = torch.div(positions + 1, self.c, rounding_mode="floor")
-        max_blocks = table.shape[1] * view.block_keys.shape[1]
-        scores = index_scores(q, view.block_keys, table, n_blocks, max_blocks)
+        scores = index_scores(q, view.block_keys, view.block_table, n_blocks, view.max_blocks)
         return select_decode_tokens(scores, n_blocks, positions, self.c, self.topk)
 
     def forward(
@@ -147,9 +144,8 @@ class QSAttention(nn.Module):
         outs = []
         for chunk, (s, e), tokens in zip(batch.chunks, batch.spans(), selected, strict=True):
             chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
-            view = chunk.cache.kv_view(self.attn_index)
-            table = view.block_table.expand(e - s, -1).contiguous()
-            outs.append(paged_sparse_attention(q[s:e], view.k, view.v, table, tokens, self.scaling))
+            kv = chunk.cache.kv_view(self.attn_index).rows(e - s)
+            outs.append(paged_sparse_attention(q[s:e], kv.k, kv.v, kv.block_table, tokens, self.scaling))
         return self._output(torch.cat(outs, dim=0), gate, ri)
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, inv_f) -> torch.Tensor:
