@@ -36,6 +36,7 @@ class SequenceCache:
         self.block_table: list[int] = []
         self._table_list: list[int] | None = None  # what _table_dev was built from
         self._table_dev: torch.Tensor | None = None
+        self._table32: torch.Tensor | None = None  # the same, int32 [1, pages], as the paged ops take it
         self.length = 0  # tokens whose KV and state are committed
 
     # ---- sizing --------------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class SequenceCache:
         if self._table_list != self.block_table:
             self._table_list = list(self.block_table)
             self._table_dev = torch.tensor(self.block_table, dtype=torch.long, device=self.pool.k.device)
+            self._table32 = self._table_dev.to(torch.int32)[None]
         return self._table_dev
 
     def _addresses(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,11 +154,6 @@ class SequenceCache:
         k_plane[pages, offs] = k
         v_plane[pages, offs] = v
 
-    def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._table()[: self.pool.pages_for(length)]
-        k_plane, v_plane, _ = self.pool.planes(attn_index)
-        return k_plane[table].flatten(0, 1)[:length], v_plane[table].flatten(0, 1)[:length]
-
     def write_block_keys(self, attn_index: int, first_block: int, keys: torch.Tensor) -> None:
         bpp, c, P = (
             self.pool.blocks_per_page,
@@ -169,8 +166,14 @@ class SequenceCache:
         self.pool.planes(attn_index)[2][self._table()[blocks // bpp], blocks % bpp] = keys
 
     def kv_view(self, attn_index: int) -> KVView:
-        k, v, keys = self.pool.planes(attn_index)
-        return KVView(k, v, keys, self._table().to(torch.int32)[None])  # table [1, pages]
+        self._table()
+        return KVView(*self.pool.planes(attn_index), self._table32)
+
+    # ---- reading back (tests and tools; the model reads through kv_view) -------------------------
+    def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._table()[: self.pool.pages_for(length)]
+        k_plane, v_plane, _ = self.pool.planes(attn_index)
+        return k_plane[table].flatten(0, 1)[:length], v_plane[table].flatten(0, 1)[:length]
 
     def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
         table = self._table()[: -(-n_blocks // self.pool.blocks_per_page)]

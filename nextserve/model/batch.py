@@ -52,16 +52,8 @@ class SeqCache(Protocol):
         """Store k, v [n, Nkv, D] at positions start .. start+n-1."""
         ...
 
-    def read_kv(self, attn_index: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [length, Nkv, D] of positions 0 .. length-1."""
-        ...
-
     def write_block_keys(self, attn_index: int, first_block: int, keys: torch.Tensor) -> None:
         """Store compressed indexer keys [m, di] of blocks first_block .. first_block+m-1."""
-        ...
-
-    def read_block_keys(self, attn_index: int, n_blocks: int) -> torch.Tensor:
-        """Compressed indexer keys [n_blocks, di] of blocks 0 .. n_blocks-1."""
         ...
 
     def kv_view(self, attn_index: int) -> KVView:
