@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..cache.decode_rows import DecodeRows
+from ..cache.decode_rows import DecodeRows, fill_block_tables
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
 from ..engine.sampling import TokenLogprob, sample_row
@@ -61,11 +62,9 @@ class ModelRunner:
     def decode_batch(self, ids, positions, slots, tables, width: int | None = None) -> DecodeBatch:
         """An eager DecodeBatch; block tables padded with the scratch page to `width` (default: the
         longest)."""
-        width = width or max(len(t) for t in tables)
-        table = torch.full((len(tables), width), self.pool.scratch_page, dtype=torch.int32)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
+        table = np.empty((len(tables), width or max(len(t) for t in tables)), dtype=np.int32)
+        fill_block_tables(table, tables, self.pool.scratch_page)
+        table, dev = torch.from_numpy(table), self.device
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         rows = DecodeRows(self.pool, self.states, slot_t, pos, table.to(dev))

@@ -37,7 +37,7 @@ def test_fill_pads_with_the_scratch_slot_and_page(oracle_config) -> None:
     slots = StateSlots(oracle_config, 4, 2, torch.float32)
     pool = KVPool(oracle_config, 2, 9, 16, torch.float32)
     g = GraphRunner.__new__(GraphRunner)  # no CUDA here: set the buffers up by hand
-    g.pool, g.states, g.max_pages = pool, slots, 3
+    g.pool, g.states = pool, slots
     g.meta, g.table = torch.full((3, 4), -1, dtype=torch.long), torch.full((4, 3), -1, dtype=torch.int32)
     g.meta_host, g.table_host = torch.zeros((3, 4), dtype=torch.long), torch.zeros((4, 3), dtype=torch.int32)
     g._meta_np, g._table_np = g.meta_host.numpy(), g.table_host.numpy()
