@@ -11,7 +11,7 @@ from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
 from ..ops.pointwise import rowwise
 from .batch import DecodeBatch, ForwardBatch
-from .params import Weight, fuse_rows
+from .params import Weight, fuse_rows, project
 
 
 class GatedDeltaNet(nn.Module):
@@ -33,19 +33,16 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Weight(H, vdim)
         self.in_proj: torch.Tensor | None = None  # qkv|z|b|a stacked by fuse()
 
+    def _in_parts(self) -> tuple[Weight, ...]:
+        return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
     def fuse(self) -> None:
-        self.in_proj = fuse_rows(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        self.in_proj = fuse_rows(*self._in_parts())
 
     def _project(self, u: torch.Tensor, ri: bool):
         """u [T, H] -> (qkv [T, conv_dim], z [T, Hv, dv], g [T, Hv] float32, beta [T, Hv])."""
         T = u.shape[0]
-        if self.in_proj is not None:
-            parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-            sizes = [w.weight.shape[0] for w in parts]
-            qkv, z, b, a = linear(u, self.in_proj, ri).split(sizes, dim=-1)
-        else:
-            qkv, z = linear(u, self.in_proj_qkv.weight, ri), linear(u, self.in_proj_z.weight, ri)
-            b, a = linear(u, self.in_proj_b.weight, ri), linear(u, self.in_proj_a.weight, ri)
+        qkv, z, b, a = project(u, self._in_parts(), self.in_proj, ri)
         z = z.reshape(T, self.hv, self.dv)
         beta = rowwise(torch.sigmoid, b, ri)
         g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias, ri)

@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from ..ops.linear import linear
 from ..ops.moe import experts, route
 from ..ops.pointwise import rowwise
-from .params import Weight, fuse_rows
+from .params import Weight, fuse_rows, project
 
 
 class Experts(nn.Module):
@@ -53,11 +53,7 @@ class SparseMoe(nn.Module):
         self.in_proj = fuse_rows(*self._parts())
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
-        if self.in_proj is not None:
-            sizes = [w.weight.shape[0] for w in self._parts()]
-            router, g, up, sg = linear(u, self.in_proj, ri).split(sizes, dim=-1)
-        else:
-            router, g, up, sg = (linear(u, w.weight, ri) for w in self._parts())
+        router, g, up, sg = project(u, self._parts(), self.in_proj, ri)
         shared = self.shared_expert(u, ri, (g, up))
         w, ids = route(router, self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up_proj, self.experts.down_proj, ri)

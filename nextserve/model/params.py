@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from ..ops.linear import linear
+
 
 class Weight(nn.Module):
     """A module with one `weight` (a projection matrix or a norm vector); its op is called elsewhere."""
@@ -23,3 +25,12 @@ def fuse_rows(*holders: Weight) -> torch.Tensor:
         h.weight.data = fused[start : start + n]
         start += n
     return fused
+
+
+def project(
+    x: torch.Tensor, holders: tuple[Weight, ...], stacked: torch.Tensor | None, ri: bool
+) -> tuple[torch.Tensor, ...]:
+    """x through each holder's projection: one GEMV over their `fuse_rows` stack when there is one."""
+    if stacked is not None:
+        return linear(x, stacked, ri).split([h.weight.shape[0] for h in holders], dim=-1)
+    return tuple(linear(x, h.weight, ri) for h in holders)

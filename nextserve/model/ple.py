@@ -8,11 +8,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step
-from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
 from .batch import DecodeBatch, ForwardBatch
-from .params import Weight, fuse_rows
+from .params import Weight, fuse_rows, project
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -122,10 +121,7 @@ class PLE(nn.Module):
         """Table rows [T, heads], streams x [T, nH] -> (gated value [T, nH], its G-norm: the conv input)."""
         T, n, H = x.shape[0], self.n, self.hidden
         e_vec = F.embedding(ids, self.ple_embedding.ngram_embedding.weight).flatten(-2)  # [T, D]
-        if self.kv_proj is not None:
-            key, value = linear(e_vec, self.kv_proj, ri).split([n * H, H], dim=-1)
-        else:
-            key, value = linear(e_vec, self.key_proj.weight, ri), linear(e_vec, self.value_proj.weight, ri)
+        key, value = project(e_vec, (self.key_proj, self.value_proj), self.kv_proj, ri)
         key = rms_norm(key, self.norm_key.weight, self.eps, H)  # value [T, H]
         query = rms_norm(x, self.norm_query.weight, self.eps, H)
         d = (key.view(T, n, H) * query.view(T, n, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)

@@ -10,7 +10,7 @@ from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise
 from ..ops.rope import apply_rope, cos_sin
 from .batch import DecodeBatch, ForwardBatch, KVView
-from .params import Weight, fuse_rows
+from .params import Weight, fuse_rows, project
 
 
 class Indexer(nn.Module):
@@ -118,9 +118,7 @@ class QSAttention(nn.Module):
     def _project(self, u: torch.Tensor, ri: bool):
         """u [T, H] -> (q|gate, k, v, indexer qk) projections; one GEMV when fused."""
         parts = (self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
-        if self.in_proj is not None:
-            return linear(u, self.in_proj, ri).split([p.weight.shape[0] for p in parts], dim=-1)
-        return tuple(linear(u, p.weight, ri) for p in parts)
+        return project(u, parts, self.in_proj, ri)
 
     def _qkv(self, u: torch.Tensor, cos, sin, ri: bool, proj=None):
         """u [T, H] -> (q [T, Nq, D], gate [T, Nq*D], k, v [T, Nkv, D]); q and k normed and roped."""
