@@ -7,42 +7,6 @@ import torch
 from .triton import use_kernel
 
 
-def select_tokens(
-    q_idx: torch.Tensor,
-    block_keys: torch.Tensor,
-    positions: list[int],
-    compress_ratio: int,
-    block_topk: int,
-) -> list[torch.Tensor]:
-    """Which context tokens each query row attends to.
-
-    q_idx [T, Ni, di] (normed, roped indexer queries); block_keys [nb, di] (compressed, normed,
-    roped keys of every complete block so far); positions: each row's absolute position.
-    Returns, per row, the ascending token indices: the top `block_topk` visible blocks by
-    sum_h relu(q_h . k_j) / sqrt(di) (all of them when few), then the open tail block. Equal
-    scores (relu makes exact zeros common) go to the lower block: a rule every device and batch
-    size computes alike, where torch.topk leaves the order of ties to the implementation.
-
-    # NOTE: row t sees only the floor((t+1)/c) blocks complete at t, so rows are independent and
-    # a chunk gives each row what a one-token step gives it.
-    """
-    c = compress_ratio
-    scale = math.sqrt(q_idx.shape[-1])
-    out = []
-    for row, t in enumerate(positions):
-        n_blocks = (t + 1) // c
-        if n_blocks > block_topk:
-            scores = torch.matmul(q_idx[row].float(), block_keys[:n_blocks].float().t())  # [Ni, nb]
-            scores = torch.relu(scores.t()).sum(dim=-1) / scale  # [nb]
-            blocks = torch.sort(scores, descending=True, stable=True).indices[:block_topk].sort().values
-        else:
-            blocks = torch.arange(n_blocks, device=q_idx.device)
-        tokens = (blocks[:, None] * c + torch.arange(c, device=q_idx.device)[None, :]).flatten()
-        tail = torch.arange(n_blocks * c, t + 1, device=q_idx.device)
-        out.append(torch.cat([tokens, tail]))
-    return out
-
-
 def sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: list[torch.Tensor], scaling: float
 ) -> torch.Tensor:
@@ -77,11 +41,11 @@ def index_scores(
 
     q_idx [B, Ni, di]; key_plane [pages, bpp, di] (block j of row b at page block_table[b, j // bpp],
     index j % bpp); block_table [B, maxP]; n_blocks [B] complete blocks per row. Returns
-    [B, max_blocks] float32: sum_h relu(q_h . k_j) / sqrt(di) as `select_tokens` scores (float32),
+    [B, max_blocks] float32: sum_h relu(q_h . k_j) / sqrt(di) as the per-row rule scores them (float32),
     -inf for j >= n_blocks[b].
 
     # On CUDA one Triton kernel (ops/triton/qsa_decode.py); the per-row loop below is its reference
-    # and gives `select_tokens`' scores bit for bit.
+    # and gives the per-row rule's scores bit for bit (tests/qsa_reference.py).
     """
     if use_kernel(q_idx):
         from .triton.qsa_decode import triton_index_scores
@@ -112,8 +76,8 @@ def select_decode_tokens(
 
     The top `block_topk` blocks by score (ties: the lower block first), those below n_blocks[b] kept,
     in ascending order, each as its c tokens; then the open tail n_blocks*c .. positions[b] (at most
-    c tokens); then -1. Valid entries come first, ascending. Same set as `select_tokens` when no two
-    scores tie. Static shapes, no host reads: the same code on every device (graph-capturable).
+    c tokens); then -1. Valid entries come first, ascending: the per-row rule of
+    tests/qsa_reference.py. Static shapes, no host reads: the same code on every device (graph-capturable).
     """
     B, M = scores.shape
     dev = scores.device

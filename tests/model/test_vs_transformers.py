@@ -42,7 +42,7 @@ def test_logits_prefill_and_decode(name: str, dtype: torch.dtype) -> None:
 
 def test_prompt_exceeds_budget_and_selection_drops_blocks() -> None:
     """The tiny config's budget is 8 tokens; a 72-token prompt must select fewer than t+1 tokens."""
-    from nextserve.ops.attention import select_tokens
+    from qsa_reference import select_tokens
 
     q = torch.randn(1, 2, 32)
     keys = torch.randn(17, 32)

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from qsa_reference import select_tokens
 
 from nextserve.ops.attention import (
     index_scores,
     paged_sparse_attention,
     select_decode_tokens,
-    select_tokens,
     sparse_attention,
 )
 from nextserve.ops.triton.qsa_decode import triton_index_scores, triton_paged_sparse_attention

@@ -3,8 +3,9 @@
 import pytest
 import torch
 from hf_oracle import TINY, hf_model, new_sequence, nextserve_model
+from qsa_reference import select_tokens
 
-from nextserve.ops.attention import select_tokens, sparse_attention
+from nextserve.ops.attention import sparse_attention
 from nextserve.ops.conv import causal_conv
 from nextserve.ops.linear import linear
 from nextserve.ops.moe import experts, route
