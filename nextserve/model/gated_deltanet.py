@@ -6,10 +6,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step
-from ..ops.gdn import gated_delta_rule, recurrent_step
+from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
-from ..ops.pointwise import rowwise
 from .batch import DecodeBatch, ForwardBatch
 from .params import Weight, fuse_rows, project
 
@@ -43,10 +42,8 @@ class GatedDeltaNet(nn.Module):
         """u [T, H] -> (qkv [T, conv_dim], z [T, Hv, dv], g [T, Hv] float32, beta [T, Hv])."""
         T = u.shape[0]
         qkv, z, b, a = project(u, self._in_parts(), self.in_proj, ri)
-        z = z.reshape(T, self.hv, self.dv)
-        beta = rowwise(torch.sigmoid, b, ri)
-        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias, ri)
-        return qkv, z, g, beta
+        g, beta = gdn_gates(b, a, self.A_log, self.dt_bias, ri)
+        return qkv, z.reshape(T, self.hv, self.dv), g, beta
 
     def _split(self, x: torch.Tensor):
         """Conv output [T, conv_dim] -> q, k [T, Hk, dk], v [T, Hv, dv]."""

@@ -1,13 +1,12 @@
 """Sparse MoE with a sigmoid-gated shared expert."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..ops.linear import linear
 from ..ops.moe import experts, route
-from ..ops.pointwise import rowwise
+from ..ops.pointwise import sigmoid_gate, silu_mul
 from .params import Weight, fuse_rows, project
 
 
@@ -32,7 +31,7 @@ class SharedExpert(nn.Module):
         if gate_up is None:
             gate_up = (linear(x, self.gate_proj.weight, ri), linear(x, self.up_proj.weight, ri))
         g, up = gate_up
-        return linear(rowwise(F.silu, g, ri) * up, self.down_proj.weight, ri)
+        return linear(silu_mul(g, up, ri), self.down_proj.weight, ri)
 
 
 class SparseMoe(nn.Module):
@@ -57,4 +56,4 @@ class SparseMoe(nn.Module):
         shared = self.shared_expert(u, ri, (g, up))
         w, ids = route(router, self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up_proj, self.experts.down_proj, ri)
-        return routed + rowwise(torch.sigmoid, sg, ri) * shared
+        return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared

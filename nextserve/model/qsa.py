@@ -7,7 +7,7 @@ from ..config import ModelConfig
 from ..ops.attention import index_scores, paged_sparse_attention, select_decode_tokens
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
-from ..ops.pointwise import rowwise
+from ..ops.pointwise import rowwise, sigmoid_gate
 from ..ops.rope import apply_rope, cos_sin
 from .batch import DecodeBatch, ForwardBatch, KVView
 from .params import Weight, fuse_rows, project
@@ -131,7 +131,7 @@ class QSAttention(nn.Module):
         return q, gate, k, v.reshape(T, self.nkv, self.d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, ri: bool) -> torch.Tensor:
-        o = o.reshape(o.shape[0], self.nq * self.d) * rowwise(torch.sigmoid, gate, ri)
+        o = sigmoid_gate(o.reshape(o.shape[0], self.nq * self.d), gate, row_invariant=ri)
         return linear(o, self.o_proj.weight, ri)
 
     def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, inv_f) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Gated delta rule (GDN) recurrence, the token-by-token reference."""
 
 import torch
+import torch.nn.functional as F
 
 from .norms import l2_norm
+from .pointwise import rowwise
 from .triton import use_kernel
 
 
@@ -96,3 +98,18 @@ def recurrent_step(
     if not outs:
         return v.new_empty(v.shape)
     return torch.cat(outs, dim=0)
+
+
+def gdn_gates(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, row_invariant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's gates from the b, a projections [T, Hv]: (g = -exp(A_log) softplus(a + dt_bias)
+    in float32, beta = sigmoid(b) in b's dtype). One Triton launch on CUDA (ops/triton/gates.py) in
+    place of eight; this is its reference and the CPU path."""
+    if use_kernel(b, a) and b.dim() == 2 and a_log.is_cuda and dt_bias.is_cuda:
+        from .triton.gates import triton_gdn_gates
+
+        return triton_gdn_gates(b, a, a_log, dt_bias)
+    beta = rowwise(torch.sigmoid, b, row_invariant)
+    g = -a_log.float().exp() * rowwise(F.softplus, a.float() + dt_bias, row_invariant)
+    return g, beta

@@ -9,6 +9,9 @@
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+
+from .triton import use_kernel
 
 
 def rowwise(
@@ -21,3 +24,26 @@ def rowwise(
     return torch.cat(
         [fn(x[i : i + 1].clone(), *(t[i : i + 1] for t in per_row)) for i in range(x.shape[0])], dim=0
     )
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+    """silu(g) * u for g, u [T, N]: the shared expert's activation (one Triton launch on CUDA)."""
+    if use_kernel(g, u) and g.dtype == u.dtype and g.dim() == 2:
+        from .triton.gates import triton_silu_mul
+
+        return triton_silu_mul(g, u)
+    return rowwise(F.silu, g, row_invariant) * u
+
+
+def sigmoid_gate(
+    x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None, row_invariant: bool = False
+) -> torch.Tensor:
+    """[add +] x * sigmoid(gate): x [T, N]; gate [T, N] or [T, 1]; add [T, N] (one Triton launch on
+    CUDA)."""
+    ts = (x, gate) if add is None else (x, gate, add)
+    if use_kernel(*ts) and all(t.dtype == x.dtype and t.dim() == 2 for t in ts):
+        from .triton.gates import triton_sigmoid_gate
+
+        return triton_sigmoid_gate(x, gate, add)
+    y = x * rowwise(torch.sigmoid, gate, row_invariant)
+    return y if add is None else add + y
