@@ -7,7 +7,7 @@ from ..config import ModelConfig
 from ..ops.hyper import inject, mix_streams, scaled_silu
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
-from .params import Weight
+from .params import Weight, fuse_rows, project
 
 
 class GatedResidual(nn.Module):
@@ -19,18 +19,27 @@ class GatedResidual(nn.Module):
         self.input_mix_weight_down = Weight(cfg.hc_lowrank, nH)
         self.input_mix_weight_up = Weight(nH, cfg.hc_lowrank)
         self.block_inject_weight = Weight(self.n, nH) if inject else None
+        self.in_proj: torch.Tensor | None = None  # down|inject stacked by fuse()
 
-    def mix(self, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, nH] -> (block input u [T, H], normed streams [T, nH])."""
+    def fuse(self) -> None:
+        if self.block_inject_weight is not None:
+            self.in_proj = fuse_rows(self.input_mix_weight_down, self.block_inject_weight)
+
+    def mix(self, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, nH] -> (block input u [T, H], injection logits W_inj X^ [T, n], None without inject)."""
         xn = rms_norm(x, self.hc_norm.weight, self.eps, group=self.hidden)  # per-stream G-norm
-        a = scaled_silu(linear(xn, self.input_mix_weight_down.weight, ri), self.n, ri)  # [T, r]
+        if self.block_inject_weight is None:
+            down, v = linear(xn, self.input_mix_weight_down.weight, ri), None
+        else:  # both read X^: one GEMV over their stack when fused (vLLM merges them too)
+            parts = (self.input_mix_weight_down, self.block_inject_weight)
+            down, v = project(xn, parts, self.in_proj, ri)
+        a = scaled_silu(down, self.n, ri)  # [T, r]
         logits = linear(a, self.input_mix_weight_up.weight, ri)  # [T, nH]
         u = mix_streams(logits, xn, self.n, self.hidden, ri)  # mean_s sigmoid(logits)_s * xn_s
-        return u, xn
+        return u, v
 
     def forward(self, x: torch.Tensor, block, ri: bool) -> torch.Tensor:
         """X_s <- X_s + inj_s * block(u), inj = 2 sigmoid(W_inj X^ / n) from the pre-block streams."""
-        u, xn = self.mix(x, ri)
-        v = linear(xn, self.block_inject_weight.weight, ri)  # [T, n]
+        u, v = self.mix(x, ri)  # v [T, n]
         y = block(u)  # [T, H]
         return inject(x, y, v, self.n, ri)

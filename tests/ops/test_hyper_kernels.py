@@ -170,3 +170,18 @@ def test_cuda_gated_residual(dtype: torch.dtype) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+@pytest.mark.parametrize("ri", [False, True])
+def test_cpu_fused_down_inject_is_unfused(ri: bool) -> None:
+    """Stacking the mixer's down and inject projections (fuse) changes no bit on the CPU."""
+    m = _module(N, H, R, torch.bfloat16, seed=8)
+    x = torch.randn(5, N * H, generator=_gen(9)).bfloat16()
+
+    def block(u):
+        return u * 0.5
+
+    before = m(x, block, ri)
+    m.fuse()
+    assert m.in_proj is not None and m.in_proj.shape == (R + N, N * H)
+    assert torch.equal(m(x, block, ri), before)

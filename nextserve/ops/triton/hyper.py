@@ -25,13 +25,14 @@ def _sigmoid(v):
     return 1.0 / (1.0 + tl.exp(-v))
 
 
-@triton.jit(do_not_specialize=["numel"])
-def _scaled_silu(v_ptr, o_ptr, numel, inv_n, BLOCK: tl.constexpr):
+@triton.jit
+def _scaled_silu(v_ptr, o_ptr, N, stride_v, inv_n, BLOCK: tl.constexpr):
     ty = o_ptr.dtype.element_ty
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < numel
-    v = (tl.load(v_ptr + i, mask=m, other=0.0).to(tl.float32) * inv_n).to(ty).to(tl.float32)  # v / n
-    tl.store(o_ptr + i, (v / (1.0 + tl.exp(-v))).to(ty), mask=m)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < N
+    v = (tl.load(v_ptr + t * stride_v + c, mask=m, other=0.0).to(tl.float32) * inv_n).to(ty).to(tl.float32)
+    tl.store(o_ptr + t * N + c, (v / (1.0 + tl.exp(-v))).to(ty), mask=m)  # silu(v / n)
 
 
 @triton.jit
@@ -79,12 +80,15 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def triton_scaled_silu(v: torch.Tensor, n: int) -> torch.Tensor:
-    """silu(v / n), each op rounded to v's dtype as torch does; any shape."""
-    v = v.contiguous()
-    o = torch.empty_like(v)
-    if v.numel():
-        _scaled_silu[(triton.cdiv(v.numel(), BLOCK),)](
-            v, o, v.numel(), 1.0 / n, BLOCK=BLOCK, num_warps=NUM_WARPS
+    """silu(v / n), each op rounded to v's dtype as torch does; any shape (the rows of a column slice
+    are read in place)."""
+    N = v.shape[-1]
+    v2 = _rows(v, N)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if v2.shape[0] and N:
+        block = min(BLOCK, triton.next_power_of_2(N))
+        _scaled_silu[(v2.shape[0], triton.cdiv(N, block))](
+            v2, o, N, v2.stride(0), 1.0 / n, BLOCK=block, num_warps=NUM_WARPS
         )
     return o
 
