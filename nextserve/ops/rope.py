@@ -2,6 +2,8 @@
 
 import torch
 
+from .triton import use_kernel
+
 
 def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     # NOTE: same float32 arithmetic as the reference model, so cos/sin match it bit for bit.
@@ -25,7 +27,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, rot] with rot <= D."""
+    """x [T, heads, D]; cos/sin [T, rot] with rot <= D. One Triton launch on CUDA (ops/triton/rope.py);
+    the code below is its reference and the CPU path."""
+    if use_kernel(x, cos, sin) and x.dtype == cos.dtype == sin.dtype and cos.shape[-1] % 2 == 0:
+        from .triton.rope import triton_apply_rope
+
+        return triton_apply_rope(x, cos, sin)
     rot = cos.shape[-1]
     c, s = cos[:, None, :], sin[:, None, :]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
