@@ -36,6 +36,10 @@ class DecodeRows:
         int32, padded with any page (the decode ops never read past a row's position)."""
         self.pool, self.states = pool, states
         self.slots, self.positions, self.block_table = slots, positions, block_table
+        # NOTE: every attention layer writes at the same (page, offset) and block-key address, so they
+        # are computed once a step (a graph records them once, at the first layer that asks).
+        self._kv_addr: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._key_addr: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.states.gdn_planes(gdn_index)
@@ -52,8 +56,10 @@ class DecodeRows:
         return self.block_table.gather(1, col)[:, 0].long()
 
     def write_kv(self, attn_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        P = self.pool.page_size
-        page, off = self._page_of(self.positions, P), self.positions % P
+        if self._kv_addr is None:
+            P = self.pool.page_size
+            self._kv_addr = (self._page_of(self.positions, P), self.positions % P)
+        page, off = self._kv_addr
         k_plane, v_plane, _ = self.pool.planes(attn_index)
         k_plane.index_put_((page, off), k)
         v_plane.index_put_((page, off), v)
@@ -62,10 +68,11 @@ class DecodeRows:
         # NOTE: rows whose block is still open write a placeholder there too (no branch, so the step
         # can be a graph); the slot is not read before the block completes and overwrites it, and the
         # page is the row's own (reserve copied it if it was shared).
-        bpp = self.pool.blocks_per_page
-        block = torch.div(self.positions, self.pool.page_size // bpp, rounding_mode="floor")
-        page, idx = self._page_of(block, bpp), block % bpp
-        self.pool.planes(attn_index)[2].index_put_((page, idx), keys)
+        if self._key_addr is None:
+            bpp = self.pool.blocks_per_page
+            block = torch.div(self.positions, self.pool.page_size // bpp, rounding_mode="floor")
+            self._key_addr = (self._page_of(block, bpp), block % bpp)
+        self.pool.planes(attn_index)[2].index_put_(self._key_addr, keys)
 
     def kv_view(self, attn_index: int) -> KVView:
         return KVView(*self.pool.planes(attn_index), self.block_table)
