@@ -43,7 +43,8 @@ class GraphRunner:
         self.table_host = torch.zeros((G, max_pages), dtype=torch.int32).pin_memory()
         # NOTE: filled through numpy views of the pinned buffers (see fill_block_tables).
         self._meta_np, self._table_np = self.meta_host.numpy(), self.table_host.numpy()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, logits [G, V], their argmax [G]: greedy rows read only this)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
@@ -61,7 +62,9 @@ class GraphRunner:
         m[0, :B], m[1, :B], m[2, :B] = ids, positions, slots
         m[:2, B:G], m[2, B:G] = 0, self.states.scratch_slot
         fill_block_tables(t[:G], tables, self.pool.scratch_page)
-        self.meta[:, :G].copy_(self.meta_host[:, :G], non_blocking=True)
+        # NOTE: the whole meta buffer (3 x max rows, a few hundred bytes): a [:, :G] slice is not
+        # contiguous, and torch stages a non-contiguous host copy through pageable memory.
+        self.meta.copy_(self.meta_host, non_blocking=True)
         self.table[:G].copy_(self.table_host[:G], non_blocking=True)
 
     @torch.inference_mode()
@@ -80,15 +83,19 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
                 out = self._step(B)
-            self.graphs[B] = (graph, out)
+                top = out.argmax(dim=-1)
+            self.graphs[B] = (graph, out, top)
         torch.cuda.synchronize()
         log.info("captured decode graphs for batch sizes %s", self.buckets)
 
-    def replay(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]):
-        """Logits [B, V] of one decode step (a view of the graph's output: copy it before the next)."""
+    def replay(
+        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] of one decode step and their argmax [B] (views of the graph's outputs: copy
+        them before the next replay)."""
         B = len(ids)
         G = next(b for b in self.buckets if b >= B)
         self._fill(ids, positions, slots, tables, G)
-        graph, out = self.graphs[G]
+        graph, out, top = self.graphs[G]
         graph.replay()
-        return out[:B]
+        return out[:B], top[:B]

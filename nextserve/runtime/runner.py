@@ -70,13 +70,14 @@ class ModelRunner:
         rows = DecodeRows(self.pool, self.states, slot_t, pos, table.to(dev))
         return DecodeBatch(torch.tensor(ids, dtype=torch.long, device=dev), pos, rows)
 
-    def decode_logits(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences)."""
+    def decode_logits(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences), and their
+        argmax [B] when the step computed it (a graph replay does, inside the graph)."""
         ids, positions, slots, tables = self.decode_inputs(chunks)
         if self.graphs is not None and self.graphs.fits(len(chunks)):
             return self.graphs.replay(ids, positions, slots, tables)
         batch = self.decode_batch(ids, positions, slots, tables)
-        return self.model.logits(self.model.decode(batch), row_invariant=True)
+        return self.model.logits(self.model.decode(batch), row_invariant=True), None
 
     def _batch(self, chunks: list[Chunk], row_invariant: bool) -> ForwardBatch:
         ids, pos, spans = [], [], []
@@ -117,10 +118,10 @@ class ModelRunner:
                 sample_chunks.append(ch)
             else:
                 results.append(ChunkResult(ch))
-        logits = []
+        logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (logits, argmax or None) parts
         if rows:
             try:
-                logits.append(self.model.logits(torch.cat(rows), row_invariant=True))
+                logits.append((self.model.logits(torch.cat(rows), row_invariant=True), None))
             except Exception as exc:  # noqa: BLE001
                 log.exception("logits failed")
                 results += [ChunkResult(ch, error=_describe(exc)) for ch in sample_chunks]
@@ -134,18 +135,26 @@ class ModelRunner:
                 results += [ChunkResult(ch, error=_describe(exc)) for ch in plan.decodes]
         if not sample_chunks:
             return results
-        return results + self._sample(sample_chunks, torch.cat(logits))
+        return results + self._sample(sample_chunks, logits)
 
-    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[ChunkResult]:
-        """Tokens of the rows of logits [R, V] (on the model's device).
+    def _sample(
+        self, chunks: list[Chunk], parts: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> list[ChunkResult]:
+        """Tokens of the rows of the logits parts [R_i, V] (on the model's device, with their argmax
+        when computed already), in order.
 
         # NOTE: plain greedy rows (no logprobs, no grammar) take their argmax on the device and move
         # one id each; the others move their whole row to the CPU sampler. argmax returns the first
         # maximal index on every device, so both give the same token for the same logits."""
         plain = [i for i, ch in enumerate(chunks) if _plain_greedy(ch)]
         rest = [i for i in range(len(chunks)) if i not in set(plain)]
-        tokens = dict(zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True)) if plain else {}
-        rows = dict(zip(rest, logits[rest].float().cpu(), strict=True)) if rest else {}
+        tokens, rows = {}, {}
+        if plain:
+            ids = _cat([am if am is not None else lg.argmax(dim=-1) for lg, am in parts])
+            ids = ids if len(plain) == len(chunks) else ids[plain]
+            tokens = dict(zip(plain, ids.tolist(), strict=True))
+        if rest:
+            rows = dict(zip(rest, _cat([lg for lg, _ in parts])[rest].float().cpu(), strict=True))
         results = []
         for i, ch in enumerate(chunks):
             if i in tokens:
@@ -158,6 +167,10 @@ class ModelRunner:
                 continue
             results.append(ChunkResult(ch, token, lp))
         return results
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
 def _plain_greedy(ch: Chunk) -> bool:

@@ -22,7 +22,7 @@ def test_decode_step_equals_the_chunk_path(oracle_llm) -> None:
         if plan.decodes:
             saved = [t.clone() for t in planes] + [pool.block_keys.clone()]
             with torch.inference_mode():
-                step = eng.runner.decode_logits(plan.decodes)
+                step = eng.runner.decode_logits(plan.decodes)[0]
                 after_step = [t.clone() for t in planes]
                 for t, s in zip(planes + [pool.block_keys], saved, strict=True):
                     t.copy_(s)
