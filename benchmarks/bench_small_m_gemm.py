@@ -30,23 +30,17 @@ from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.ops.triton.gemv import _config, _splits, small_m_linear
 
 # (what, N, K, calls per decode step); a shape listed twice is measured once
-SHAPES = [
+SHAPES = [  # the decode step's projections as the engine runs them (stacked by fuse_projections)
     ("lm_head", 248320, 2560, 1),
-    ("GDN in_proj_qkv x6, PLE key, ...", 10240, 2560, 12),
-    ("GDN z", 6144, 2560, 6),
-    ("GDN b, a", 48, 2560, 12),
-    ("GDN/QSA out", 2560, 6144, 8),
-    ("QSA q_proj", 12288, 2560, 2),
-    ("QSA k, v", 512, 2560, 4),
-    ("indexer", 640, 2560, 2),
-    ("2560x2560", 2560, 2560, 1),
-    ("hyper-connections down (8 layers x 2, final mixer)", 320, 10240, 17),
-    ("hyper-connections up (8 layers x 2, final mixer)", 10240, 320, 17),
-    ("hyper-connections inject (8 layers x 2)", 4, 10240, 16),
-    ("MoE router (8 layers)", 512, 2560, 8),
-    ("MoE shared gate, up (8 layers x 2)", 640, 2560, 16),
+    ("GDN in_proj qkv|z|b|a (6 layers)", 16480, 2560, 6),
+    ("QSA in_proj q|k|v|indexer (2 layers)", 13952, 2560, 2),
+    ("PLE key|value", 12800, 2560, 1),
+    ("GDN/QSA out (8 layers)", 2560, 6144, 8),
+    ("hyper-connections down|inject (8 layers x 2)", 324, 10240, 16),
+    ("hyper-connections mixer down", 320, 10240, 1),
+    ("hyper-connections up (8 layers x 2, mixer)", 10240, 320, 17),
+    ("MoE router|shared gate|up|shared-expert gate (8 layers)", 1793, 2560, 8),
     ("MoE shared down (8 layers)", 2560, 640, 8),
-    ("MoE shared-expert gate (8 layers)", 1, 2560, 8),
 ]
 REPS, REPLAYS, TRIALS = 20, 10, 7
 
@@ -174,6 +168,9 @@ def _row(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> dict:
     for name, fn in fns.items():
         row[f"{name}_us_warm"] = round(timer.graph_us(fn, flush=False), 2)
     row["new_vs_old"] = round(row["old_us"] / row["new_us"], 2) if row["new_us"] else None
+    if M > 16:  # a 32-row block: one weight pass instead of two; is it the same bits as 16 rows?
+        row["block_m32_us"] = round(timer.cold_us(lambda: small_m_linear(x, w, block_m=32)), 2)
+        row["block_m32_equal"] = bool(torch.equal(small_m_linear(x, w, block_m=32), small_m_linear(x, w)))
     row.update(_check(w, x))
     return row
 
@@ -183,12 +180,12 @@ def _sweep(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> list[dict]:
     auto = _config(N, K, w.dtype)
     out = []
     timer.rebase()
-    for bn, bk in [(16, 256), (16, 512), (32, 128), (32, 256), (64, 64), (64, 128)]:
+    for bn, bk in [(16, 256), (32, 128), (32, 64), (64, 64), (64, 128), (128, 64)]:
         s_auto, _ = _splits(N, K, bn, bk)
         k_tiles = triton.cdiv(K, bk)
         for want in sorted({1, s_auto, min(k_tiles, 2 * s_auto), max(1, s_auto // 2)}):
             s, _ = _splits(N, K, bn, bk, want=want)
-            for stages in (3, 4):
+            for stages in (3, 4, 5):
                 cfg = dict(block_n=bn, block_k=bk, splits=want, num_stages=stages)
                 us = timer.cold_us(lambda cfg=cfg: small_m_linear(x, w, **cfg))
                 out.append({"N": N, "K": K, "M": x.shape[0], "block_n": bn, "block_k": bk, "splits": s,
@@ -201,7 +198,8 @@ def _sweep(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32], help="row counts")
-    ap.add_argument("--sweep", action="store_true", help="also sweep configurations per shape at M=1")
+    ap.add_argument("--sweep", action="store_true", help="also sweep configurations per shape")
+    ap.add_argument("--sweep-m", type=int, nargs="+", default=[1], help="row counts of the sweep")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -221,7 +219,8 @@ def main() -> None:
             print(f"# {N}x{K} M={M}: new {row['new_us']} us, old {row['old_us']}, cublas {row['cublas_us']}",
                   file=sys.stderr)  # fmt: skip
         if args.sweep:
-            sweep += _sweep(timer, w, torch.randn(1, K, device=dev, dtype=torch.bfloat16))
+            for M in args.sweep_m:
+                sweep += _sweep(timer, w, torch.randn(M, K, device=dev, dtype=torch.bfloat16))
         del w
         torch.cuda.empty_cache()
     step = {}

@@ -73,6 +73,58 @@ def host_profile(engine, steps: int, top: int = 15) -> list[dict]:
     ]
 
 
+def replay_phases(graphs, inputs, steps: int) -> dict:
+    """Host microseconds per replay: filling the inputs, the graph launch call, then waiting for the GPU."""
+    ids, positions, slots, tables = inputs
+    B = len(ids)
+    G = next(b for b in graphs.buckets if b >= B)
+    graph = graphs.graphs[G][0]
+    fill = launch = wait = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        graphs._fill(ids, positions, slots, tables, G)
+        t1 = time.perf_counter()
+        graph.replay()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        fill, launch, wait = fill + t1 - t0, launch + t2 - t1, wait + t3 - t2
+    return {k: round(v / steps * 1e6, 1) for k, v in (("fill", fill), ("launch", launch), ("gpu_wait", wait))}
+
+
+def engine_phases(engine, steps: int) -> dict:
+    """Host microseconds per engine step in schedule, execute (which waits for the GPU's tokens) and
+    update + output, by timing wrappers around the three calls."""
+    spent = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "drain": 0.0}
+    wrapped = [(engine.scheduler, "schedule"), (engine.runner, "execute")]
+    wrapped += [(engine, "update"), (engine, "drain_finished")]
+    originals = [getattr(obj, name) for obj, name in wrapped]
+
+    def timed(fn, key):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        return call
+
+    for (obj, name), fn in zip(wrapped, originals, strict=True):
+        setattr(obj, name, timed(fn, "drain" if name == "drain_finished" else name))
+    try:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - t
+    finally:
+        for (obj, name), fn in zip(wrapped, originals, strict=True):
+            setattr(obj, name, fn)
+    out = {k: round(v / steps * 1e6, 1) for k, v in spent.items()}
+    out["step"] = round(total / steps * 1e6, 1)
+    return out
+
+
 def prefill_table(engine, prompt: list[int], top: int) -> dict:
     """Two prefills of `prompt` (the first warms up): the second's wall time and kernel table."""
     from torch.profiler import ProfilerActivity, profile
@@ -168,12 +220,16 @@ def main() -> None:
                 engine.runner.graphs.replay(*inputs)
             sync()
             replay_ms = (time.perf_counter() - t) / args.steps * 1000
+            phases = replay_phases(engine.runner.graphs, inputs, args.steps)
         run = {
             "concurrency": c,
             "engine_step_ms": round(step_ms, 3),
             "tok_per_s": round(c * 1000 / step_ms, 1),
         }
         run["graph_replay_ms"] = None if replay_ms is None else round(replay_ms, 3)
+        if replay_ms is not None:
+            run["replay_phases_us"] = phases
+        run["engine_phases_us"] = engine_phases(engine, args.steps)
         run["host_profile"] = host_profile(engine, args.steps)
         run["eager_step"] = kernel_table(engine, args.top)
         out["runs"].append(run)
