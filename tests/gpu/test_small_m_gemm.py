@@ -60,3 +60,28 @@ def test_config_and_cuda_graph(shape: tuple[int, int]) -> None:
     torch.cuda.synchronize()
     assert torch.equal(out, small_m_linear(x, w))
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("shape", [(324, 10240), (320, 10240), (2560, 6144), (1793, 2560), (4, 10240)])
+def test_one_launch_split_reduction(shape: tuple[int, int]) -> None:
+    """The tile's last program adds the K splits: the bits of the two-launch reduction, at every M,
+    call after call (the counters reset), and in a graph replayed several times."""
+    from nextserve.ops.triton.gemv import _config, _counters, small_m_linear
+
+    N, K = shape
+    assert _config(N, K, torch.bfloat16).splits > 1
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    for M in (1, 8, 32, 40):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        two = small_m_linear(x, w, one_launch=False)
+        for _ in range(3):
+            assert torch.equal(small_m_linear(x, w), two), M
+    assert int(_counters(x.device).abs().sum()) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = small_m_linear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, small_m_linear(x, w, one_launch=False))

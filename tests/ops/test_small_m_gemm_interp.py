@@ -74,3 +74,19 @@ def test_rows_are_invariant(dtype: torch.dtype, N: int, K: int, splits: int | No
     for a, b in [(0, 17), (3, 20)]:  # sub-batches, across the 16-row block boundary
         assert torch.equal(small_m_linear(x[a:b].clone(), w, splits=splits), full[a:b]), (a, b)
     assert small_m_linear(x[:0], w, splits=splits).shape == (0, N)
+
+
+@small
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N,K,splits", [(4, 2048, None), (40, 300, 2), (24, 1100, 3)])
+def test_one_launch_reduction_gives_the_two_launch_bits(dtype: torch.dtype, N: int, K: int, splits) -> None:
+    """The split-K partials added by the tile's last program (one launch) give the bits of the separate
+    reduction kernel, and leave every tile counter at zero for the next call."""
+    from nextserve.ops.triton.gemv import _counters
+
+    x, w = _problem(20, N, K, dtype, seed=11)
+    one = small_m_linear(x, w, splits=splits)
+    two = small_m_linear(x, w, splits=splits, one_launch=False)
+    assert torch.equal(one, two)
+    assert torch.equal(small_m_linear(x, w, splits=splits), one)  # the counters were reset
+    assert int(_counters(x.device).abs().sum()) == 0

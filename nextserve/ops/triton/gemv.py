@@ -13,6 +13,11 @@
 #   float32. With S > 1 the partials go to a float32 workspace [S, M, N] and a second kernel adds them
 #   elementwise in the fixed order split 0, 1, ..., S-1 (unrolled adds, no tree, no atomics) and rounds
 #   once to the output dtype; with S == 1 the accumulator is rounded and stored directly (one launch);
+# - with S > 1 and a tile counter available (`_counters`), the add is done in the same launch instead: each
+#   split stores its partial, then bumps its tile's counter (a release/acquire atomic after a CTA
+#   barrier); the program that arrives last adds the S partials in the same fixed order 0, 1, ..., S-1
+#   (loads from L2) and resets the counter to 0 for the next call. Which program arrives last varies;
+#   what it computes does not: the bits equal the two-launch path's (tests check both);
 # - M changes only how many row blocks are launched and where a row's results are stored, not what is
 #   computed for it. Pointer-alignment specialisation (an unaligned view of x) changes load widths, not
 #   the loaded values or the arithmetic.
@@ -42,6 +47,19 @@ TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: i
 TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
 MIN_SPLIT_K_TILES = 8  # K is split only when the unsplit loop would run this many tiles or more
 REDUCE_BLOCK = 256
+COUNTERS = 1 << 16  # tile counters of the one-launch split-K reduction (a call with more tiles uses two)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """Zeroed int32 tile counters of `device` (None while a CUDA graph is being captured and they do
+    not exist yet: they would be allocated from, and zeroed by, the graph's pool). Each call leaves them
+    zero again; calls on one device run in stream order (the engine uses one stream), so no two calls
+    use a counter at the same time."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        cnt = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return cnt
 
 
 class Config(NamedTuple):
@@ -77,14 +95,15 @@ def _splits(N: int, K: int, block_n: int, block_k: int, want: int | None = None)
 
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemm(
-    x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT,
     stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
-    partial to out[split, rows, cols] (a [S, M, N] workspace); else round and store to out[rows, cols]."""
+    partial to ws[split, rows, cols] (a [S, M, N] workspace), and with FIXUP the tile's last program adds
+    the partials in split order into out; else round and store to out[rows, cols]."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -112,7 +131,21 @@ def _small_m_gemm(
         w_ptrs += BLOCK_K
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     if SPLIT:
-        tl.store(out_ptr + pid_s.to(tl.int64) * M * N + offs, acc, mask=mask_m & mask_n)
+        MN = M.to(tl.int64) * N
+        tl.store(ws_ptr + pid_s.to(tl.int64) * MN + offs, acc, mask=mask_m & mask_n)
+        if FIXUP:
+            S = tl.num_programs(1)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if arrived == S - 1:  # the last of the tile's splits: add them all in split order
+                tot = tl.load(ws_ptr + offs, mask=mask_m & mask_n, other=0.0, cache_modifier=".cg")
+                for s in range(1, S):
+                    tot += tl.load(
+                        ws_ptr + s * MN + offs, mask=mask_m & mask_n, other=0.0, cache_modifier=".cg"
+                    )
+                tl.store(out_ptr + offs, tot.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+                tl.atomic_xchg(cnt_ptr + pid, 0)
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
@@ -138,12 +171,14 @@ def small_m_linear(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_m: int = BLOCK_M,
+    one_launch: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
     capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
     (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
     `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` (rows per
-    program) is for the benchmark's check that a wider row block gives the same bits."""
+    program) is for the benchmark's check that a wider row block gives the same bits; `one_launch=False`
+    adds the K splits in a second kernel (the same bits; for tests and the benchmark)."""
     x = x.contiguous()
     weight = weight.contiguous()
     M, K = x.shape
@@ -160,13 +195,15 @@ def small_m_linear(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    out = y if s == 1 else torch.empty((s, M, N), dtype=torch.float32, device=x.device)
+    ws = y if s == 1 else torch.empty((s, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, bn), s)
+    cnt = _counters(x.device) if s > 1 and one_launch and grid[0] <= COUNTERS else None
+    fixup = cnt is not None
     _small_m_gemm[grid](
-        x, weight, out, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, IEEE=x.dtype == torch.float32,
+        x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if s > 1:
-        _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](out, y, M * N, SPLITS=s, BLOCK=REDUCE_BLOCK)
+    if s > 1 and not fixup:
+        _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](ws, y, M * N, SPLITS=s, BLOCK=REDUCE_BLOCK)
     return y
