@@ -191,7 +191,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for c in args.concurrency:
-        params = SamplingParams(max_tokens=3 * args.steps + 4, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=6 * args.steps + 8, temperature=0.0, ignore_eos=True)
         for _ in range(c):
             engine.add_request(
                 torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(), params

@@ -5,10 +5,14 @@
 #   num_stages) is a function of (N, K, dtype) alone (`_config`), never of M or of the data; M is
 #   `do_not_specialize`, so one compiled kernel serves every M (Triton would otherwise compile M == 1
 #   as a constant). There is no separate M == 1 path;
-# - rows are padded to a fixed block of BLOCK_M = 16 and multiplied with tl.dot. A tensor-core MMA (or
-#   the float32 FMA dot) computes an output element from its own row of x and column of W only, by the
-#   same arithmetic at every row position of the block: padded rows are zeros that never enter a real
-#   row's sum, and the same instruction sequence runs whether 1 or 16 rows are real;
+# - rows are padded to a block of BLOCK_M = 16 rows (32 when M > 16: one pass over a weight tile where two
+#   16-row blocks would read it twice) and multiplied with tl.dot. A tensor-core MMA (or the float32
+#   FMA dot) computes an output element from its own row of x and column of W only, by the same
+#   arithmetic (the m16n8k16 instruction over the same K steps) at every row position of either block:
+#   padded rows are zeros that never enter a real row's sum, and the same instruction sequence runs
+#   whether 1 or 32 rows are real. On the H200 the 32-row block gives the 16-row block's bits on every
+#   decode projection (bench_small_m_gemm.py's block_m32_equal), and tests/gpu/test_small_m_gemm.py
+#   checks rows alone against rows in batches of 2..40;
 # - split s of S accumulates its own fixed K range, BLOCK_K tile after tile in ascending order, in
 #   float32. With S > 1 the partials go to a float32 workspace [S, M, N] and a second kernel adds them
 #   elementwise in the fixed order split 0, 1, ..., S-1 (unrolled adds, no tree, no atomics) and rounds
@@ -170,15 +174,15 @@ def small_m_linear(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    block_m: int = BLOCK_M,
+    block_m: int | None = None,
     one_launch: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
     capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
     (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
-    `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` (rows per
-    program) is for the benchmark's check that a wider row block gives the same bits; `one_launch=False`
-    adds the K splits in a second kernel (the same bits; for tests and the benchmark)."""
+    `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` overrides
+    the rows per program (16, or 32 when M > 16) for the benchmark's check that both give the same bits;
+    `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark)."""
     x = x.contiguous()
     weight = weight.contiguous()
     M, K = x.shape
@@ -196,6 +200,7 @@ def small_m_linear(
     if M == 0 or N == 0:
         return y
     ws = y if s == 1 else torch.empty((s, M, N), dtype=torch.float32, device=x.device)
+    block_m = block_m or (BLOCK_M if M <= BLOCK_M else 2 * BLOCK_M)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, bn), s)
     cnt = _counters(x.device) if s > 1 and one_launch and grid[0] <= COUNTERS else None
     fixup = cnt is not None
