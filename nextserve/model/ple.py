@@ -9,6 +9,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step
 from ..ops.norms import rms_norm
+from ..ops.ple import ngram_contexts, ngram_ids, ple_decode_ids, ple_gate
 from ..ops.pointwise import rowwise
 from .batch import DecodeBatch, ForwardBatch
 from .params import Weight, fuse_rows, project
@@ -54,19 +55,6 @@ def table_rows(cfg: ModelConfig, ple_index: int) -> int:
     return math.ceil(total / div) * div
 
 
-def ngram_contexts(history: torch.Tensor, n_new: int, ngram_size: int, eos: int) -> torch.Tensor:
-    """history [..., N-1 + n_new] ids (the carried context, then the new tokens) -> c [..., n_new, N]:
-    c[..., s] = token_{t-s}, or eos if t-s is before the start or an eos lies strictly between."""
-    ctx = history.shape[-1] - n_new
-    cols = [history[..., ctx:]]
-    blocked = torch.zeros_like(cols[0], dtype=torch.bool)
-    for s in range(1, ngram_size):
-        prev = history[..., ctx - s : ctx - s + n_new]
-        cols.append(torch.where(blocked, torch.full_like(prev, eos), prev))
-        blocked = blocked | (prev == eos)
-    return torch.stack(cols, dim=-1)
-
-
 class NGramEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ple_index: int) -> None:
         super().__init__()
@@ -84,14 +72,7 @@ class NGramEmbedding(nn.Module):
 
     def ids(self, contexts: torch.Tensor) -> torch.Tensor:
         """contexts [T, N] -> table rows [T, n_heads]: order-k heads hash XOR_{i<k} c_i * m_i."""
-        out = []
-        h = contexts[:, 0] * self.mult[0]
-        for k in range(2, self.N + 1):
-            h = torch.bitwise_xor(h, contexts[:, k - 1] * self.mult[k - 1])
-            lo = (k - 2) * self.per_order
-            sizes = self.sizes[lo : lo + self.per_order]
-            out.append(torch.remainder(h[:, None], sizes[None, :]) + self.offsets[lo : lo + self.per_order])
-        return torch.cat(out, dim=1)
+        return ngram_ids(contexts, self.mult, self.sizes, self.offsets, self.per_order)
 
 
 class PLE(nn.Module):
@@ -119,14 +100,12 @@ class PLE(nn.Module):
 
     def _gated(self, ids: torch.Tensor, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Table rows [T, heads], streams x [T, nH] -> (gated value [T, nH], its G-norm: the conv input)."""
-        T, n, H = x.shape[0], self.n, self.hidden
+        n, H = self.n, self.hidden
         e_vec = F.embedding(ids, self.ple_embedding.ngram_embedding.weight).flatten(-2)  # [T, D]
         key, value = project(e_vec, (self.key_proj, self.value_proj), self.kv_proj, ri)
         key = rms_norm(key, self.norm_key.weight, self.eps, H)  # value [T, H]
         query = rms_norm(x, self.norm_query.weight, self.eps, H)
-        d = (key.view(T, n, H) * query.view(T, n, H)).sum(dim=-1, keepdim=True) / math.sqrt(H)
-        gate = d.abs().clamp_min(1e-6).sqrt() * d.sign()
-        gated = (rowwise(torch.sigmoid, gate, ri) * value.unsqueeze(-2)).flatten(-2)  # [T, nH]
+        gated = ple_gate(key, query, value, n, H, ri)  # [T, nH]
         return gated, rms_norm(gated, self.norm_conv.weight, self.eps, H)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -152,9 +131,9 @@ class PLE(nn.Module):
         """One token per row; contexts and conv histories read and written through the rows' slots."""
         emb, slots = self.ple_embedding, batch.cache.slots
         ctx_plane, conv_plane = batch.cache.ple_planes(self.ple_index)
-        hist = torch.cat([ctx_plane.index_select(0, slots), batch.input_ids[:, None]], dim=1)  # [B, N]
-        ids = emb.ids(ngram_contexts(hist, 1, self.N, emb.eos)[:, 0])
-        ctx_plane.index_copy_(0, slots, hist[:, 1:])
+        ids = ple_decode_ids(
+            ctx_plane, slots, batch.input_ids, emb.mult, emb.sizes, emb.offsets, emb.eos, emb.per_order
+        )  # [B, heads]; the slots' contexts now end with the new tokens
         gated, normed = self._gated(ids, x, True)
         conv = conv_step(normed, conv_plane, slots, self.conv1d.weight[:, 0, :], self.N, silu=True)
         return gated + conv
