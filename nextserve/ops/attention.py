@@ -77,8 +77,24 @@ def select_decode_tokens(
     The top `block_topk` blocks by score (ties: the lower block first), those below n_blocks[b] kept,
     in ascending order, each as its c tokens; then the open tail n_blocks*c .. positions[b] (at most
     c tokens); then -1. Valid entries come first, ascending: the per-row rule of
-    tests/qsa_reference.py. Static shapes, no host reads: the same code on every device (graph-capturable).
+    tests/qsa_reference.py.
+
+    # On CUDA one Triton kernel (ops/triton/qsa_select.py): a radix select per row over its first
+    # n_blocks scores, where two full-width sorts cost time growing with M (max_context / c) on every
+    # step. The sorts below are its reference, equal to it for every input (torch.equal).
+    # NOTE: static shapes, no host reads on both paths (graph-capturable); a row's tokens depend on
+    # its own scores, n_blocks and position only; scores from column n_blocks[b] on must be -inf.
     """
+    if use_kernel(scores):
+        from .triton.qsa_select import triton_select_decode_tokens
+
+        return triton_select_decode_tokens(scores, n_blocks, positions, c, block_topk)
+    return _select_decode_tokens_reference(scores, n_blocks, positions, c, block_topk)
+
+
+def _select_decode_tokens_reference(
+    scores: torch.Tensor, n_blocks: torch.Tensor, positions: torch.Tensor, c: int, block_topk: int
+) -> torch.Tensor:
     B, M = scores.shape
     dev = scores.device
     k = min(block_topk, M)
