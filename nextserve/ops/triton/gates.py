@@ -18,13 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import sigmoid, unit_stride
+
 BLOCK = 1024
 NUM_WARPS = 4
-
-
-@triton.jit
-def _sigmoid(v):
-    return 1.0 / (1.0 + tl.exp(-v))
 
 
 @triton.jit
@@ -44,7 +41,7 @@ def _gdn_gates(
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = h < HV
     b = tl.load(b_ptr + t * stride_b + h, mask=m, other=0.0).to(tl.float32)
-    tl.store(beta_ptr + t * HV + h, _sigmoid(b).to(beta_ptr.dtype.element_ty), mask=m)
+    tl.store(beta_ptr + t * HV + h, sigmoid(b).to(beta_ptr.dtype.element_ty), mask=m)
     x = tl.load(a_ptr + t * stride_a + h, mask=m, other=0.0).to(tl.float32)
     x += tl.load(dtb_ptr + h, mask=m, other=0.0).to(tl.float32)
     softplus = tl.where(x > 20.0, x, _log1p(tl.exp(x)))  # torch's threshold (beta 1)
@@ -78,16 +75,11 @@ def _sigmoid_gate(
         g = tl.load(gate_ptr + t * stride_g).to(tl.float32)
     else:
         g = tl.load(gate_ptr + t * stride_g + c, mask=m, other=0.0).to(tl.float32)
-    y = (x * _sigmoid(g).to(ty).to(tl.float32)).to(ty)
+    y = (x * sigmoid(g).to(ty).to(tl.float32)).to(ty)
     if ADD:
         r = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0).to(tl.float32)
         y = (r + y.to(tl.float32)).to(ty)
     tl.store(o_ptr + t * N + c, y, mask=m)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D view with unit column stride (a copy only if the columns are strided)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _grid(T: int, N: int) -> tuple[int, int]:
@@ -98,7 +90,7 @@ def triton_gdn_gates(
     b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """b, a [T, Hv] (model dtype) -> (g [T, Hv] float32, beta [T, Hv] in b's dtype)."""
-    b, a = _rows(b), _rows(a)
+    b, a = unit_stride(b), unit_stride(a)
     T, HV = b.shape
     g = torch.empty((T, HV), dtype=torch.float32, device=b.device)
     beta = torch.empty((T, HV), dtype=b.dtype, device=b.device)
@@ -111,7 +103,7 @@ def triton_gdn_gates(
 
 def triton_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u for g, u [T, N] (one dtype), each op rounded to it."""
-    g, u = _rows(g), _rows(u)
+    g, u = unit_stride(g), unit_stride(u)
     T, N = g.shape
     out = torch.empty((T, N), dtype=g.dtype, device=g.device)
     if T:
@@ -122,11 +114,11 @@ def triton_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def triton_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """[add +] x * sigmoid(gate) for x [T, N], gate [T, N] or [T, 1] (one per row), add [T, N]; each op
     rounded to x's dtype."""
-    x, gate = _rows(x), _rows(gate)
+    x, gate = unit_stride(x), unit_stride(gate)
     T, N = x.shape
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T:
-        plus = _rows(add) if add is not None else x
+        plus = unit_stride(add) if add is not None else x
         _sigmoid_gate[_grid(T, N)](
             x, gate, plus, out, T, N, x.stride(0), gate.stride(0), plus.stride(0),
             BLOCK=BLOCK, ROW_GATE=gate.shape[1] == 1 and N > 1, ADD=add is not None, num_warps=NUM_WARPS,

@@ -16,13 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import sigmoid, unit_stride
+
 BLOCK = 1024
 NUM_WARPS = 4
-
-
-@triton.jit
-def _sigmoid(v):
-    return 1.0 / (1.0 + tl.exp(-v))
 
 
 @triton.jit
@@ -48,7 +45,7 @@ def _mix_streams(
     for s in tl.static_range(N):
         g = tl.load(g_ptr + t * stride_g + s * H + c, mask=m, other=0.0).to(tl.float32)
         if SIGMOID:
-            g = _sigmoid(g).to(ty).to(tl.float32)
+            g = sigmoid(g).to(ty).to(tl.float32)
         x = tl.load(x_ptr + t * stride_x + s * H + c, mask=m, other=0.0).to(tl.float32)
         acc += (g * x).to(ty).to(tl.float32)
     tl.store(u_ptr + t * stride_u + c, (acc * inv_n).to(ty), mask=m)
@@ -68,15 +65,14 @@ def _inject(
         inj = tl.load(v_ptr + t * stride_v + s).to(tl.float32)
         if FROM_LOGITS:
             inj = (inj * inv_n).to(ty).to(tl.float32)  # v / n
-            inj = 2.0 * _sigmoid(inj).to(ty).to(tl.float32)  # exact doubling
+            inj = 2.0 * sigmoid(inj).to(ty).to(tl.float32)  # exact doubling
         x = tl.load(x_ptr + t * stride_x + s * H + c, mask=m, other=0.0).to(tl.float32)
         p = (y * inj).to(ty).to(tl.float32)
         tl.store(o_ptr + t * stride_o + s * H + c, (x + p).to(ty), mask=m)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    t = t.reshape(-1, width)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return unit_stride(t.reshape(-1, width))
 
 
 def triton_scaled_silu(v: torch.Tensor, n: int) -> torch.Tensor:

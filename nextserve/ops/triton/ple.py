@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import sigmoid, unit_stride
+
 BLOCK = 1024
 NUM_WARPS = 4
 
@@ -64,11 +66,6 @@ def _decode_ids(
     tl.store(row + j * stride_cc, shifted, mask=j < N - 1)
 
 
-@triton.jit
-def _sigmoid(v):
-    return 1.0 / (1.0 + tl.exp(-v))
-
-
 @triton.jit(do_not_specialize=["T"])
 def _gate(
     k_ptr, q_ptr, v_ptr, o_ptr, T, H, stride_k, stride_q, stride_v, stride_o, scale,
@@ -92,7 +89,7 @@ def _gate(
     mag = tl.sqrt_rn(mag).to(ty).to(tl.float32)
     sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))  # torch.sign: 0 at 0
     gate = (mag * sign).to(ty).to(tl.float32)
-    sig = _sigmoid(gate).to(ty).to(tl.float32)
+    sig = sigmoid(gate).to(ty).to(tl.float32)
     vp = v_ptr + t * stride_v
     op = o_ptr + t * stride_o + s * H
     for c0 in range(0, H, BLOCK):
@@ -100,11 +97,6 @@ def _gate(
         m = c < H
         v = tl.load(vp + c, mask=m, other=0.0).to(tl.float32)
         tl.store(op + c, (sig * v).to(ty), mask=m)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D view with unit column stride (a copy only if the columns are strided)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def triton_ple_decode_ids(
@@ -139,7 +131,7 @@ def triton_ple_gate(
     key: torch.Tensor, query: torch.Tensor, value: torch.Tensor, n: int, H: int
 ) -> torch.Tensor:
     """key, query [T, n*H], value [T, H] (one dtype; rows may be strided) -> gated value [T, n*H]."""
-    key, query, value = _rows(key), _rows(query), _rows(value)
+    key, query, value = unit_stride(key), unit_stride(query), unit_stride(value)
     T = key.shape[0]
     assert key.shape == query.shape == (T, n * H) and value.shape == (T, H), (key.shape, value.shape)
     out = torch.empty((T, n * H), dtype=key.dtype, device=key.device)
