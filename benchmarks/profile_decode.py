@@ -178,7 +178,10 @@ def main() -> None:
     cfg, _ = bench_config(args.preset, args.layers)
     model = random_flash_next(cfg, device, dtype, 0)
     conc = max(args.concurrency)
-    cap = conc * (args.prompt_len + 3 * args.steps + 64) + 64
+    # NOTE: room for every phase below (and for the decoding the later prompts' prefill steps already
+    # run), so each phase sees all its rows; they are aborted at the end.
+    max_new = conc + 8 * args.steps + 16
+    cap = conc * (args.prompt_len + max_new + 64) + 64
     engine = engine_for_model(
         model, device, dtype, max_concurrency=conc, kv_capacity=cap, max_context=cap // conc
     )
@@ -191,7 +194,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for c in args.concurrency:
-        params = SamplingParams(max_tokens=6 * args.steps + 8, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
         for _ in range(c):
             engine.add_request(
                 torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist(), params
