@@ -114,6 +114,19 @@ def _down_combine(
     tl.store(out_ptr + r * H + rh, out.to(dt), mask=mask_h)
 
 
+def expert_shapes(x, weights, ids, gate_up, down) -> tuple[int, int, int, int]:
+    """(M, H, k, I) of an experts call, after checking the shapes the kernels assume: x [M, H],
+    weights and ids [M, k], gate_up [E, 2I, H] and down [E, H, I] with unit stride on the last dim."""
+    M, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I), (gate_up.shape, down.shape)
+    assert weights.shape == ids.shape == (M, k), (weights.shape, ids.shape)
+    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    return M, H, k, I
+
+
 def routed_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -134,13 +147,7 @@ def routed_experts(
     Row-invariant and free of host reads (CUDA-graph capturable). The block sizes are part of the
     numerics: a row's bits are fixed for given blocks, whatever M. Ids within a row are expected to be
     distinct (top-k); a repeated id is still summed, in slot order, as the reference does."""
-    M, H = x.shape
-    k = ids.shape[1]
-    E, two_i, _ = gate_up.shape
-    I = two_i // 2
-    assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I), (gate_up.shape, down.shape)
-    assert weights.shape == ids.shape == (M, k), (weights.shape, ids.shape)
-    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     if M == 0:
         return out

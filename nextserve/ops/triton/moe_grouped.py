@@ -70,6 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_decode import expert_shapes
+
 BLOCK_M = 16
 PLAN_CHUNK = 32  # pairs ranked and blocks planned per plan program
 PLAN_Q = 32  # pairs compared per step of the plan's loops
@@ -377,13 +379,8 @@ def _grouped(
     warps, warps_down, stages, stages_down, block_h_combine, sort: bool,
 ) -> torch.Tensor:  # fmt: skip
     """The four launches of both entries (sort: how `plan` orders the pairs)."""
-    M, H = x.shape
-    k = ids.shape[1]
-    E, two_i, _ = gate_up.shape
-    I = two_i // 2
-    assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I), (gate_up.shape, down.shape)
-    assert weights.shape == ids.shape == (M, k), (weights.shape, ids.shape)
-    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
+    E = gate_up.shape[0]
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     n = M * k
     if n == 0:
