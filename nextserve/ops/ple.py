@@ -42,12 +42,6 @@ def ngram_ids(
     return torch.cat(out, dim=1)
 
 
-def _ids_kernel_ok(*ts: torch.Tensor) -> bool:
-    # NOTE: `use_kernel` admits float dtypes only; this op is integer and exact (the kernel gives the
-    # reference's bits in every model dtype), so it runs on CUDA whenever its tensors are there.
-    return all(t.is_cuda for t in ts) and all(t.dtype == torch.long for t in ts[:1] + ts[3:])
-
-
 def ple_decode_ids(
     ctx_plane: torch.Tensor,
     slots: torch.Tensor,
@@ -61,7 +55,9 @@ def ple_decode_ids(
     """One decode token per row: ctx_plane [S, N-1] int64 (each slot's last N-1 ids), slots [B] (distinct),
     input_ids [B] -> table rows [B, n_heads] int64 of each row's n-gram context; ctx_plane[slots] is
     shifted in place to end with the new token."""
-    if _ids_kernel_ok(ctx_plane, slots, input_ids, mult, sizes, offsets) and ctx_plane.shape[1] >= 1:
+    # NOTE: an integer op, exact (the kernel gives the reference's bits whatever the model dtype).
+    ts = (ctx_plane, slots, input_ids, mult, sizes, offsets)
+    if use_kernel(*ts, dtypes=(torch.int64,)) and ctx_plane.shape[1] >= 1:
         from .triton.ple import triton_ple_decode_ids
 
         return triton_ple_decode_ids(ctx_plane, slots, input_ids, mult, sizes, offsets, eos, per_order)
