@@ -261,11 +261,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     del hf
     _free(device)
     ns_per_token = ns["prefill"][0]["ttft_s"] / lengths[0]
-    todo = [L for L in lengths[1:] if run.fits(f"nextserve prefill {L}", ns_per_token * L * 3 + 2 * built)]
-    if todo:
+    fitting = [L for L in lengths[1:] if run.fits(f"nextserve prefill {L}", ns_per_token * L * 3 + 2 * built)]
+    if fitting:
         model, engine, _ = nextserve_engine()
-        for L in todo:
-            if L != todo[0] and not run.fits(f"nextserve prefill {L}", ns_per_token * L * 3):
+        for L in fitting:
+            if L != fitting[0] and not run.fits(f"nextserve prefill {L}", ns_per_token * L * 3):
                 continue
             log(f"nextserve prefill {L}")
             ns_prefill(engine, random_prompt(rng, V, L), meter)  # warm-up at this length
