@@ -275,6 +275,7 @@ class EngineConfig:
     prefix_cache_images: int = 0  # grid images kept for prefix reuse (0: off)
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs (GPU only)
+    pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
     host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
     host_kv_mib: int = 4096  # host memory the host image store may use
 
@@ -296,8 +297,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.host_state_slots and not self.prefix_cache_images:
             raise ConfigError("host_state_slots needs prefix_cache_images > 0 (it keeps device spills)")
-        if not isinstance(self.cuda_graph, bool):
-            raise ConfigError(f"cuda_graph must be true or false, got {self.cuda_graph!r}")
+        for name in ("cuda_graph", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
             raise ConfigError("memory_headroom_mib must be >= 0 and cpu_kv_budget_mib > 0")
 

@@ -17,6 +17,7 @@ from ..engine.sampling import TokenLogprob, sample_row
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
+from ..ops.triton.common import set_pdl
 from .graph_runner import GraphRunner
 
 log = logging.getLogger("nextserve.runner")
@@ -45,8 +46,10 @@ class ModelRunner:
         pool: KVPool,
         states: StateSlots,
         graphs: GraphRunner | None = None,
+        pdl: bool = False,
     ) -> None:
         self.model, self.device, self.pool, self.states, self.graphs = model, device, pool, states, graphs
+        self.pdl = pdl
 
     def decode_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """Host lists of the decode rows: token ids, positions, state slots, block tables."""
@@ -105,6 +108,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
+        # NOTE: the switch is process-wide; setting it at every step keeps each engine of a process
+        # (tests, benchmarks) on its own setting. Captured graphs keep the setting they were captured with.
+        set_pdl(self.pdl)
         results: list[ChunkResult] = []
         rows, sample_chunks = [], []
         # NOTE: a prefill chunk runs alone, exactly as in the serial reference; decode rows share

@@ -1,9 +1,49 @@
-"""Pieces the elementwise kernels share: the sigmoid they all round the same way, and the unit-stride
-view their wrappers pass (column slices of a stacked projection are read in place)."""
+"""Pieces the kernels share: the sigmoid they all round the same way, the unit-stride view their wrappers
+pass (column slices of a stacked projection are read in place), and programmatic dependent launch.
+
+# NOTE: programmatic dependent launch (PDL, sm_90+). A kernel launched with `launch_pdl` may start while
+# the kernel before it in the stream is still running; a decode step is a chain of ~300 kernels of a few
+# microseconds, so each one's launch and first loads then overlap the previous one's tail. The contract
+# every kernel launched with `launch_pdl(...)` keeps (`pdl_start` at its top):
+# - it reads nothing an earlier kernel writes, and writes nothing, before `gdc_wait` returns (which is
+#   when the previous grid has completed and its writes are visible). Only weights, which no kernel
+#   writes, may be read before it (the GEMV's first weight tile);
+# - it calls `gdc_wait` unconditionally, so "the previous grid completed" chains back through every
+#   kernel: a kernel that skipped the wait could complete before its own predecessor.
+# Kernels without the attribute (torch's) are ordered by the stream as usual. PDL changes when a kernel
+# starts, never what it computes: the bits are the same on or off (tests/gpu/test_pdl.py).
+"""
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
+
+_PDL = [False]  # set per engine from EngineConfig.pdl (ModelRunner); off for direct op calls
+
+
+def set_pdl(on: bool) -> None:
+    """Launch this process's decode kernels with programmatic dependent launch (where supported)."""
+    _PDL[0] = bool(on)
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with PDL: on, and a CUDA device of sm_90 or newer."""
+    return _PDL[0] and t.is_cuda and _pdl_capable(t.device)
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Let the next kernel launch now, then wait for the previous kernel (see the NOTE above)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -15,3 +55,9 @@ def sigmoid(v):
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dim is contiguous (any row stride), else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """The launch keywords of a kernel that starts with `pdl_start(PDL)`, for a launch on t's device."""
+    on = launch_pdl(t)
+    return {"PDL": on, "launch_pdl": on}

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 BLOCK_C = 256
 NUM_WARPS = 4  # 128 threads over a 256-channel tile: no element is held by two threads
 
@@ -26,7 +28,9 @@ def _conv_step(
     x_ptr, state_ptr, slots_ptr, w_ptr, out_ptr, C,
     stride_xb, stride_ss, stride_sc, stride_sl, stride_wc, stride_wk, stride_ob,
     K: tl.constexpr, DIL: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = c < C
@@ -86,6 +90,6 @@ def triton_conv_step(
         x, state, slots, weight, out, C,
         x.stride(0), state.stride(0), state.stride(1), state.stride(2), weight.stride(0), weight.stride(1),
         out.stride(0),
-        K=K, DIL=dilation, SILU=silu, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS,
+        K=K, DIL=dilation, SILU=silu, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS, **pdl_args(x),
     )  # fmt: skip
     return out

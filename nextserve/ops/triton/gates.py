@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sigmoid, unit_stride
+from .common import pdl_args, pdl_start, sigmoid, unit_stride
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -36,7 +36,9 @@ def _log1p(y):
 def _gdn_gates(
     b_ptr, a_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, HV, stride_b, stride_a,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = h < HV
@@ -50,7 +52,8 @@ def _gdn_gates(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _silu_mul(g_ptr, u_ptr, o_ptr, T, N, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul(g_ptr, u_ptr, o_ptr, T, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -65,7 +68,9 @@ def _silu_mul(g_ptr, u_ptr, o_ptr, T, N, stride_g, stride_u, BLOCK: tl.constexpr
 def _sigmoid_gate(
     x_ptr, gate_ptr, add_ptr, o_ptr, T, N, stride_x, stride_g, stride_add,
     BLOCK: tl.constexpr, ROW_GATE: tl.constexpr, ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -96,8 +101,9 @@ def triton_gdn_gates(
     beta = torch.empty((T, HV), dtype=b.dtype, device=b.device)
     if T:
         _gdn_gates[_grid(T, HV)](
-            b, a, a_log, dt_bias, g, beta, T, HV, b.stride(0), a.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+            b, a, a_log, dt_bias, g, beta, T, HV, b.stride(0), a.stride(0),
+            BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl_args(b),
+        )  # fmt: skip
     return g, beta
 
 
@@ -107,7 +113,9 @@ def triton_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     T, N = g.shape
     out = torch.empty((T, N), dtype=g.dtype, device=g.device)
     if T:
-        _silu_mul[_grid(T, N)](g, u, out, T, N, g.stride(0), u.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _silu_mul[_grid(T, N)](
+            g, u, out, T, N, g.stride(0), u.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl_args(g)
+        )
     return out
 
 
@@ -122,5 +130,6 @@ def triton_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor |
         _sigmoid_gate[_grid(T, N)](
             x, gate, plus, out, T, N, x.stride(0), gate.stride(0), plus.stride(0),
             BLOCK=BLOCK, ROW_GATE=gate.shape[1] == 1 and N > 1, ADD=add is not None, num_warps=NUM_WARPS,
+            **pdl_args(x),
         )  # fmt: skip
     return out

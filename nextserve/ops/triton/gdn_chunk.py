@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
 from .gdn_step import BLOCK_V, EPS, NUM_WARPS, gdn_token
 
 
@@ -30,7 +31,9 @@ def _gdn_chunk(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_betat,
     stride_sh, stride_sk, stride_sv, stride_ot, stride_oh, stride_nh, stride_nk, stride_nv,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     h = tl.program_id(0)
     hk = h // GROUP
     rk = tl.arange(0, BLOCK_K)
@@ -110,5 +113,6 @@ def triton_gated_delta_rule(
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         new_state.stride(0), new_state.stride(1), new_state.stride(2),
         GROUP=Hv // Hk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS,
+        **pdl_args(q),
     )  # fmt: skip
     return o, new_state

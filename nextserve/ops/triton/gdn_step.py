@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 BLOCK_V = 32
 NUM_WARPS = 4
 EPS = 1e-6  # as ops.norms.l2_norm
@@ -53,7 +55,9 @@ def _gdn_step(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
     stride_ss, stride_sh, stride_sk, stride_sv, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -104,5 +108,6 @@ def triton_recurrent_step(
         beta.stride(0),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), o.stride(0), o.stride(1),
         GROUP=Hv // Hk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS,
+        **pdl_args(q),
     )  # fmt: skip
     return o

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import launch_pdl, pdl_start
+
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
 TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
@@ -102,7 +104,7 @@ def _small_m_gemm(
     x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT,
     stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -122,8 +124,20 @@ def _small_m_gemm(
     mask_n = rn[None, :] < N
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    # The first weight tile is loaded before waiting for the previous kernel (no kernel writes weights):
+    # with PDL its DRAM latency overlaps that kernel's tail. The loop then starts at the second tile;
+    # the products and their order are those of one loop over all tiles.
+    w = tl.load(w_ptrs, mask=mask_n & ((k_lo + rk)[:, None] < k_hi), other=0.0)
+    pdl_start(PDL)
+    x = tl.load(x_ptrs, mask=mask_m & ((k_lo + rk)[None, :] < k_hi), other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    if IEEE:
+        acc += tl.dot(x, w, input_precision="ieee")
+    else:
+        acc += tl.dot(x, w)
+    x_ptrs += BLOCK_K
+    w_ptrs += BLOCK_K
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptrs, mask=mask_m & (kk[None, :] < k_hi), other=0.0)
         w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
@@ -155,8 +169,9 @@ def _small_m_gemm(
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _sum_splits(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y[i] = ((ws[0, i] + ws[1, i]) + ws[2, i]) + ... in float32, rounded once to y's dtype."""
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
@@ -202,13 +217,16 @@ def small_m_linear(
     ws = y if s == 1 else torch.empty((s, M, N), dtype=torch.float32, device=x.device)
     block_m = block_m or (BLOCK_M if M <= BLOCK_M else 2 * BLOCK_M)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, bn), s)
+    pdl = launch_pdl(x)
     cnt = _counters(x.device) if s > 1 and one_launch and grid[0] <= COUNTERS else None
     fixup = cnt is not None
     _small_m_gemm[grid](
         x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages,
+        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )  # fmt: skip
     if s > 1 and not fixup:
-        _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](ws, y, M * N, SPLITS=s, BLOCK=REDUCE_BLOCK)
+        _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+            ws, y, M * N, SPLITS=s, BLOCK=REDUCE_BLOCK, PDL=pdl, launch_pdl=pdl
+        )
     return y

@@ -16,14 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sigmoid, unit_stride
+from .common import pdl_args, pdl_start, sigmoid, unit_stride
 
 BLOCK = 1024
 NUM_WARPS = 4
 
 
 @triton.jit
-def _scaled_silu(v_ptr, o_ptr, N, stride_v, inv_n, BLOCK: tl.constexpr):
+def _scaled_silu(v_ptr, o_ptr, N, stride_v, inv_n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -36,7 +37,9 @@ def _scaled_silu(v_ptr, o_ptr, N, stride_v, inv_n, BLOCK: tl.constexpr):
 def _mix_streams(
     g_ptr, x_ptr, u_ptr, H, stride_g, stride_x, stride_u, inv_n,
     N: tl.constexpr, BLOCK: tl.constexpr, SIGMOID: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     ty = u_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -55,7 +58,9 @@ def _mix_streams(
 def _inject(
     x_ptr, y_ptr, v_ptr, o_ptr, H, stride_x, stride_y, stride_v, stride_o, inv_n,
     N: tl.constexpr, BLOCK: tl.constexpr, FROM_LOGITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -84,8 +89,8 @@ def triton_scaled_silu(v: torch.Tensor, n: int) -> torch.Tensor:
     if v2.shape[0] and N:
         block = min(BLOCK, triton.next_power_of_2(N))
         _scaled_silu[(v2.shape[0], triton.cdiv(N, block))](
-            v2, o, N, v2.stride(0), 1.0 / n, BLOCK=block, num_warps=NUM_WARPS
-        )
+            v2, o, N, v2.stride(0), 1.0 / n, BLOCK=block, num_warps=NUM_WARPS, **pdl_args(v2)
+        )  # fmt: skip
     return o
 
 
@@ -101,7 +106,7 @@ def triton_mix_streams(
         block = min(BLOCK, triton.next_power_of_2(hidden))
         _mix_streams[(x2.shape[0], triton.cdiv(hidden, block))](
             g2, x2, u, hidden, g2.stride(0), x2.stride(0), hidden, 1.0 / n,
-            N=n, BLOCK=block, SIGMOID=sigmoid, num_warps=NUM_WARPS,
+            N=n, BLOCK=block, SIGMOID=sigmoid, num_warps=NUM_WARPS, **pdl_args(g2),
         )  # fmt: skip
     return u
 
@@ -121,6 +126,6 @@ def triton_inject(
         block = min(BLOCK, triton.next_power_of_2(hidden))
         _inject[(x2.shape[0], triton.cdiv(hidden, block))](
             x2, y2, v2, o, hidden, x2.stride(0), y2.stride(0), v2.stride(0), n * hidden, 1.0 / n,
-            N=n, BLOCK=block, FROM_LOGITS=from_logits, num_warps=NUM_WARPS,
+            N=n, BLOCK=block, FROM_LOGITS=from_logits, num_warps=NUM_WARPS, **pdl_args(x2),
         )  # fmt: skip
     return o

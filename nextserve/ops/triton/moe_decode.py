@@ -28,14 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 
 @triton.jit
 def _gate_up_act(
     x_ptr, ids_ptr, gu_ptr, act_ptr, H, I,
     stride_gu_e, stride_gu_n,
     K_TOP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[r, s, i] = silu(gate_e[i]·x_r) * (up_e[i]·x_r), e = ids[r, s]; program (r*k + s, I tile)."""
+    pdl_start(PDL)
     pid_rs = tl.program_id(0)
     pid_i = tl.program_id(1)
     r = pid_rs // K_TOP
@@ -71,9 +75,11 @@ def _down_combine(
     act_ptr, ids_ptr, w_ptr, down_ptr, out_ptr, H, I,
     stride_d_e, stride_d_h,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[r, h] = sum over the row's experts in ascending id of w * (down_e[h]·act[r, s]); program
     (r, H tile), all k experts of the row at once as a [K_PAD, BLOCK_H, BLOCK_I] tile per I step."""
+    pdl_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     rs = tl.arange(0, K_PAD)
@@ -157,11 +163,11 @@ def routed_experts(
     act = torch.empty((M, k, I), dtype=x.dtype, device=x.device)
     _gate_up_act[(M * k, triton.cdiv(I, block_i))](
         x, ids, gate_up, act, H, I, gate_up.stride(0), gate_up.stride(1),
-        K_TOP=k, BLOCK_I=block_i, BLOCK_K=block_k, num_warps=warps_gate_up,
+        K_TOP=k, BLOCK_I=block_i, BLOCK_K=block_k, num_warps=warps_gate_up, **pdl_args(x),
     )  # fmt: skip
     _down_combine[(M, triton.cdiv(H, block_h))](
         act, ids, weights, down, out, H, I, down.stride(0), down.stride(1),
         K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h, BLOCK_I=block_i_down,
-        num_warps=warps_down,
+        num_warps=warps_down, **pdl_args(act),
     )  # fmt: skip
     return out

@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
 from .moe_decode import expert_shapes
 
 BLOCK_M = 16
@@ -98,12 +99,14 @@ def _plan(
     ids_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, n, E, NB_MAX,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, Q: tl.constexpr,
     BIG: tl.constexpr, SORTED: tl.constexpr = False, SEARCH_STEPS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """order[rank(p)] = p for pairs p = CHUNK*pid.., rank(p) = #{q : (id_q, q) < (id_p, p)} (a stable
     sort by expert id); and blocks b = CHUNK*pid.. of the plan: b -> (expert or -1, lo, hi).
     SORTED (prefill): ids are already sorted and order is not written; every program finds each
     expert's run by binary search (SEARCH_STEPS >= log2(n + 1) steps; the steps after a search ends
     load nothing), and plans its blocks only."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if SORTED:
         e = tl.arange(0, E_PAD)
@@ -146,9 +149,11 @@ def _gate_up(
     stride_gu_e, stride_gu_n,
     K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart."""
+    pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(blk_e_ptr + pid_b)
@@ -203,8 +208,10 @@ def _down(
     stride_d_e, stride_d_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile)."""
+    pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(blk_e_ptr + pid_b)
@@ -245,9 +252,11 @@ def _down(
 def _combine(
     yw_ptr, ids_ptr, out_ptr, H,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[r] = the row's k rows of yw added one at a time in ascending (expert id, slot), each add
     rounded to the model dtype; program (row, H tile)."""
+    pdl_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     rs = tl.arange(0, K_PAD)
@@ -293,12 +302,12 @@ def plan(
         sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
         _plan[(triton.cdiv(nb_max, PLAN_CHUNK),)](
             sorted_ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts,
-            SORTED=True, SEARCH_STEPS=_SEARCH_STEPS,
+            SORTED=True, SEARCH_STEPS=_SEARCH_STEPS, **pdl_args(sorted_ids),
         )  # fmt: skip
     else:
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
         _plan[(triton.cdiv(n, PLAN_CHUNK),)](
-            ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts,
+            ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts, **pdl_args(ids),
         )  # fmt: skip
     return order, blk[:, :nb_max]
 
@@ -400,16 +409,16 @@ def _grouped(
         x, order, blk[0], blk[1], blk[2], gate_up, act, H, I, gate_up.stride(0), gate_up.stride(1),
         K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_args(x),
     )  # fmt: skip
     yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
     _down[(nb, triton.cdiv(H, block_n_down))](
         act, order, weights, blk[0], blk[1], blk[2], down, yw, H, I, down.stride(0), down.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down,
         EVEN_K=I % block_k_down == 0, EVEN_N=H % block_n_down == 0, DOT_PRECISION=precision,
-        num_warps=warps_down, num_stages=stages_down,
+        num_warps=warps_down, num_stages=stages_down, **pdl_args(act),
     )  # fmt: skip
     _combine[(M, triton.cdiv(H, block_h_combine))](
-        yw, ids, out, H, K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h_combine,
+        yw, ids, out, H, K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h_combine, **pdl_args(yw),
     )  # fmt: skip
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 MAX_BLOCK = 1 << 16  # slices longer than this would spill; no model norm comes near it (joint n*H = 10240)
 TILE = 1024  # elements of a program's tile when slices are short (several slices per program)
 
@@ -28,7 +30,9 @@ def _rms_norm(
     S, SPR, G, stride_xr, stride_gr, inv_g, eps,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, SIGMOID: tl.constexpr,
     ROUND_PROD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     out_ty = y_ptr.dtype.element_ty
     s = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # slice ids
     row = (s // SPR).to(tl.int64)
@@ -84,7 +88,7 @@ def _launch(x, weight, gate, eps, G, sigmoid, round_prod):
         x2, w, g2, y,
         S, spr, G, x2.stride(0), g2.stride(0), 1.0 / G, eps,
         ROWS=rows, BLOCK=block, GATED=gate is not None, SIGMOID=sigmoid, ROUND_PROD=round_prod,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(x2),
     )  # fmt: skip
     return y
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sigmoid, unit_stride
+from .common import pdl_args, pdl_start, sigmoid, unit_stride
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -33,7 +33,9 @@ def _decode_ids(
     ctx_ptr, slots_ptr, tok_ptr, mult_ptr, sizes_ptr, offs_ptr, out_ptr, eos, stride_cs, stride_cc,
     N: tl.constexpr, PER_ORDER: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = ctx_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_cs  # hist[j] = row[j], j < N-1
     tok = tl.load(tok_ptr + b).to(tl.int64)  # hist[N-1]
@@ -70,7 +72,9 @@ def _decode_ids(
 def _gate(
     k_ptr, q_ptr, v_ptr, o_ptr, T, H, stride_k, stride_q, stride_v, stride_o, scale,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
@@ -123,6 +127,7 @@ def triton_ple_decode_ids(
             ctx_plane, slots, input_ids, mult, sizes, offsets, out, eos,
             ctx_plane.stride(0), ctx_plane.stride(1), N=N, PER_ORDER=per_order, HEADS=heads,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_C=triton.next_power_of_2(N - 1), num_warps=1,
+            **pdl_args(ctx_plane),
         )  # fmt: skip
     return out
 
@@ -138,6 +143,6 @@ def triton_ple_gate(
     if T:
         _gate[(T, n)](
             key, query, value, out, T, H, key.stride(0), query.stride(0), value.stride(0), n * H,
-            math.sqrt(H), BLOCK=min(BLOCK, triton.next_power_of_2(H)), num_warps=NUM_WARPS,
+            math.sqrt(H), BLOCK=min(BLOCK, triton.next_power_of_2(H)), num_warps=NUM_WARPS, **pdl_args(key),
         )  # fmt: skip
     return out

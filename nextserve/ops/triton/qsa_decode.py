@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 LOG2E = 1.4426950408889634
 
 
@@ -23,7 +25,9 @@ def _index_scores_kernel(
     q_ptr, key_ptr, bt_ptr, nb_ptr, out_ptr, max_blocks, bpp, inv_scale,
     stride_qb, stride_qh, stride_kp, stride_ki, stride_btb, stride_ob,
     NI: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_J: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     nb = tl.load(nb_ptr + b)
@@ -68,7 +72,7 @@ def triton_index_scores(
         q_idx, key_plane, block_table, n_blocks, out, max_blocks, key_plane.shape[1], 1.0 / math.sqrt(DI),
         q_idx.stride(0), q_idx.stride(1), key_plane.stride(0), key_plane.stride(1),
         block_table.stride(0), out.stride(0),
-        NI=NI, DI=DI, BLOCK_DI=triton.next_power_of_2(DI), BLOCK_J=block_j,
+        NI=NI, DI=DI, BLOCK_DI=triton.next_power_of_2(DI), BLOCK_J=block_j, **pdl_args(q_idx),
     )  # fmt: skip
     return out
 
@@ -81,9 +85,11 @@ def _paged_attn_split_kernel(
     stride_btb, stride_tb, stride_mob, stride_moh, stride_mos, stride_mb, stride_mh,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): online softmax over the split's tiles of the row's token list,
     for the kv head's REP query heads at once. Writes the unnormalised output, max and sum (log2)."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -145,8 +151,10 @@ def _paged_attn_combine_kernel(
     mo_ptr, mm_ptr, ml_ptr, o_ptr, S,
     stride_mob, stride_moh, stride_mos, stride_mb, stride_mh, stride_ob, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, q head): merge the splits in one fixed reduction; no valid token gives zeros."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -216,11 +224,11 @@ def triton_paged_sparse_attention(
         block_table.stride(0), tokens.stride(0), mo.stride(0), mo.stride(1), mo.stride(2),
         mm.stride(0), mm.stride(1),
         REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_D=BLOCK_D, TILE=tile,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, **pdl_args(q),
     )  # fmt: skip
     _paged_attn_combine_kernel[(B, Nq)](
         mo, mm, ml, out, S,
         mo.stride(0), mo.stride(1), mo.stride(2), mm.stride(0), mm.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, BLOCK_S=triton.next_power_of_2(S),
+        D=D, BLOCK_D=BLOCK_D, BLOCK_S=triton.next_power_of_2(S), **pdl_args(mo),
     )  # fmt: skip
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 _SIGN = tl.constexpr(-(2**31))  # int32 with only the sign bit: flips between signed and unsigned order
 
 
@@ -82,7 +84,9 @@ def _select_kernel(
     s_ptr, nb_ptr, pos_ptr, out_ptr, M, k, L, stride_sb, stride_ob,
     C: tl.constexpr, BLOCK_C: tl.constexpr, RADIX_BITS: tl.constexpr,
     TILE_R: tl.constexpr, TILE_S: tl.constexpr, TILE_SMALL: tl.constexpr, TILE_L: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     nb = tl.load(nb_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -168,5 +172,6 @@ def triton_select_decode_tokens(
         scores.stride(0), out.stride(0),
         C=c, BLOCK_C=triton.next_power_of_2(c), RADIX_BITS=radix_bits,
         TILE_R=tile_r, TILE_S=tile_s, TILE_SMALL=tile_small, TILE_L=1024, num_warps=num_warps,
+        **pdl_args(scores),
     )  # fmt: skip
     return out

@@ -14,12 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 
 @triton.jit
 def _rope(
     x_ptr, cos_ptr, sin_ptr, o_ptr, stride_xt, stride_xh, stride_ct, stride_st, HEADS, D,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -56,6 +60,6 @@ def triton_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
         half = rot // 2
         _rope[(T, heads)](
             x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), heads, D,
-            HALF=half, BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=128, num_warps=1,
+            HALF=half, BLOCK_H=triton.next_power_of_2(max(half, 1)), BLOCK_D=128, num_warps=1, **pdl_args(x),
         )  # fmt: skip
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_args, pdl_start
+
 MAX_EXPERTS = 4096  # the whole row lives in registers (16 float32 a thread at 8 warps)
 
 
@@ -29,7 +31,9 @@ def _route(
     x_ptr, w_ptr, i_ptr,
     T, E, stride_xr,
     K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr, NORMALIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < E
@@ -75,6 +79,6 @@ def triton_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
         x, weights, ids,
         T, E, x.stride(0),
         K=top_k, KB=triton.next_power_of_2(top_k), BLOCK=block, NORMALIZE=normalize,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(x),
     )  # fmt: skip
     return weights, ids
