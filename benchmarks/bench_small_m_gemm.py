@@ -195,11 +195,40 @@ def _sweep(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> list[dict]:
     return out
 
 
+def _rules(timer: Timer, dev: torch.device, shapes: dict, ms: list[int], rules: list[str]) -> dict:
+    """Each rule "TARGET:MIN_SPLIT" (gemv._config's constants) applied to every shape: the configs it
+    picks and the decode-step sum of calls x us at each M (configs shared by rules are timed once)."""
+    timed: dict[tuple, float] = {}
+    out: dict[str, dict] = {}
+    for (N, K), entry in shapes.items():
+        wt = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+        timer.rebase()
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            for rule in rules:
+                target, min_split = (int(v) for v in rule.split(":"))
+                cfg = _config(N, K, wt.dtype, target, min_split)
+                key = (N, K, M, cfg)
+                if key not in timed:
+                    kw = dict(block_n=cfg.block_n, block_k=cfg.block_k, splits=cfg.splits)
+                    timed[key] = timer.cold_us(lambda kw=kw, x=x, wt=wt: small_m_linear(x, wt, **kw))
+                r = out.setdefault(rule, {}).setdefault(f"M={M}", {"step_us": 0.0, "shapes": []})
+                r["step_us"] = round(r["step_us"] + entry["calls"] * timed[key], 2)
+                r["shapes"].append({"N": N, "K": K, "calls": entry["calls"], "config": cfg._asdict(),
+                                    "us": round(timed[key], 2)})  # fmt: skip
+        print(f"# rules {N}x{K} done", file=sys.stderr)
+        del wt
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32], help="row counts")
     ap.add_argument("--sweep", action="store_true", help="also sweep configurations per shape")
     ap.add_argument("--sweep-m", type=int, nargs="+", default=[1], help="row counts of the sweep")
+    ap.add_argument("--rules", nargs="+", default=None, metavar="TARGET:MIN_SPLIT",
+                    help="only compare split rules (gemv's TARGET_PROGRAMS:MIN_SPLIT_K_TILES)")  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -210,6 +239,12 @@ def main() -> None:
         entry = shapes.setdefault((N, K), {"what": [], "calls": 0})
         entry["what"].append(what)
         entry["calls"] += calls
+    if args.rules:
+        out = {"benchmark": "small_m_gemm_rules", "git": git_info(None), "hardware": hardware(dev),
+               "command": " ".join(["python", *sys.argv]), "copy_bandwidth": bw,
+               "rules": _rules(timer, dev, shapes, args.m, args.rules)}  # fmt: skip
+        print(json.dumps(out, indent=1))
+        return
     rows, sweep = [], []
     for (N, K), entry in shapes.items():
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5

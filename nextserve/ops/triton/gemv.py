@@ -78,22 +78,34 @@ class Config(NamedTuple):
 
 
 @functools.cache
-def _config(N: int, K: int, dtype: torch.dtype) -> Config:
+def _config(
+    N: int, K: int, dtype: torch.dtype, target: int = TARGET_PROGRAMS, min_split: int = MIN_SPLIT_K_TILES
+) -> Config:
     """The launch configuration for an [N, K] weight: a function of (N, K, dtype) only (it sets the
-    numerics: a row's bits are fixed for a given config, whatever M)."""
-    block_n = 32 if triton.cdiv(N, 32) >= TARGET_PROGRAMS else 16
+    numerics: a row's bits are fixed for a given config, whatever M). `target` and `min_split` are the
+    rule's constants, overridden only by the benchmark that compares rules."""
+    block_n = 32 if triton.cdiv(N, 32) >= target else 16
     block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
-    return Config(block_n, block_k, *_splits(N, K, block_n, block_k), num_warps=4, num_stages=4)
+    splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
+    return Config(block_n, block_k, *splits, num_warps=4, num_stages=4)
 
 
-def _splits(N: int, K: int, block_n: int, block_k: int, want: int | None = None) -> tuple[int, int]:
-    """(splits, K tiles per split) for about `want` splits (default: the fewest that launch
-    TARGET_PROGRAMS programs, at most one per K tile, and none for fewer than MIN_SPLIT_K_TILES K
-    tiles); no split is empty."""
+def _splits(
+    N: int,
+    K: int,
+    block_n: int,
+    block_k: int,
+    want: int | None = None,
+    target: int = TARGET_PROGRAMS,
+    min_split: int = MIN_SPLIT_K_TILES,
+) -> tuple[int, int]:
+    """(splits, K tiles per split) for about `want` splits (default: the fewest that launch `target`
+    programs, at most one per K tile, and none for fewer than `min_split` K tiles); no split is
+    empty."""
     n_tiles, k_tiles = triton.cdiv(N, block_n), max(1, triton.cdiv(K, block_k))
     if want is None:
-        # a short K loop is not worth the second launch (about 2 us in a CUDA graph)
-        want = triton.cdiv(TARGET_PROGRAMS, n_tiles) if k_tiles >= MIN_SPLIT_K_TILES else 1
+        # a short K loop is not worth the partials' round trip through L2
+        want = triton.cdiv(target, n_tiles) if k_tiles >= min_split else 1
     splits = triton.cdiv(k_tiles, max(1, k_tiles // max(1, want)))
     tiles = triton.cdiv(k_tiles, splits)  # spread the remainder over the splits
     return triton.cdiv(k_tiles, tiles), tiles
