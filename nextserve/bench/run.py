@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="replay nextserve's decode steps as CUDA graphs (the engine's --cuda-graph)",
     )  # fmt: skip
     p.add_argument(
+        "--pdl", action=argparse.BooleanOptionalAction, default=True,
+        help="programmatic dependent launch of nextserve's kernels (the engine's --pdl)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile", action=argparse.BooleanOptionalAction, default=True, help="profile one decode step"
     )
     p.add_argument(
@@ -145,7 +149,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     engine_flags = dict(
         prefill_chunk=args.prefill_chunk, max_concurrency=max_conc, kv_capacity=capacity,
         max_context=capacity, page_size=args.page_size, max_pending=max(256, max_conc),
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, pdl=args.pdl,
     )  # fmt: skip
 
     def nextserve_engine():
