@@ -7,7 +7,7 @@ CUDA (`-m gpu`)."""
 import pytest
 import torch
 from moe_cases import moe_problem, rel_err
-from triton_interp import needs_cuda, row_independent_dot, small  # noqa: F401
+from triton_interp import DEV, needs_cuda, row_independent_dot, small  # noqa: F401
 
 from nextserve.ops.moe import _experts_by_row
 from nextserve.ops.triton import moe_grouped as mgd
@@ -74,6 +74,23 @@ def test_plan(M, E, k) -> None:
             expect.append([e, piece[0], piece[-1] + 1])
     expect += [[-1, 0, 0]] * (blk.shape[1] - len(expect))
     assert blk.cpu().T.tolist() == expect
+
+
+@small
+@pytest.mark.parametrize("E,k", [(512, 10), (8, 3), (3, 2), (40, 1)])
+def test_small_plan_equals_chunked_plan(E, k) -> None:
+    """The one-program plan of a few rows gives the chunked plan's order and blocks, bit for bit, at
+    every pair count up to PLAN_SMALL (experts shared by many rows, runs longer than a block), and at
+    both block sizes."""
+    g = torch.Generator().manual_seed(E + k)
+    for M in range(1, mgd.PLAN_SMALL // k + 1):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
+        if M % 3 == 0:  # skewed: most rows on the same experts
+            ids[: M - 1] = ids[0]
+        ids = ids.to(DEV)
+        for block_m in (16, 4):
+            a, b = plan(ids, E, block_m, small=True), plan(ids, E, block_m, small=False)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (M, block_m)
 
 
 def test_max_blocks_bound_is_tight() -> None:

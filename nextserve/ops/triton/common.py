@@ -6,8 +6,9 @@ pass (column slices of a stacked projection are read in place), and programmatic
 # microseconds, so each one's launch and first loads then overlap the previous one's tail. The contract
 # every kernel launched with `launch_pdl(...)` keeps (`pdl_start` at its top):
 # - it reads nothing an earlier kernel writes, and writes nothing, before `gdc_wait` returns (which is
-#   when the previous grid has completed and its writes are visible). Only weights, which no kernel
-#   writes, may be read before it (the GEMV's first weight tile);
+#   when the previous grid has completed and its writes are visible). `pdl_start` is each kernel's first
+#   statement. (Fetching the GEMV's first weight tiles into L2 before the wait, which no kernel writes,
+#   measured no better than not: benchmarks/bench_engine_ab.py, BENCHMARKS.md.);
 # - it calls `gdc_wait` unconditionally, so "the previous grid completed" chains back through every
 #   kernel: a kernel that skipped the wait could complete before its own predecessor.
 # Kernels without the attribute (torch's) are ordered by the stream as usual. PDL changes when a kernel

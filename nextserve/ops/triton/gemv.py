@@ -53,7 +53,6 @@ TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: i
 TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
 MIN_SPLIT_K_TILES = 8  # K is split only when the unsplit loop would run this many tiles or more
 REDUCE_BLOCK = 256
-PREFETCH_TILES = 3  # weight tiles a program fetches into L2 before waiting for the previous kernel (PDL)
 COUNTERS = 1 << 16  # tile counters of the one-launch split-K reduction (a call with more tiles uses two)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -112,21 +111,12 @@ def _splits(
     return triton.cdiv(k_tiles, tiles), tiles
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """A prefetch of each address's 128-byte line into L2 (no registers written, nothing waited for)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // $0 unused", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemm(
     x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT,
     stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -146,11 +136,6 @@ def _small_m_gemm(
     mask_n = rn[None, :] < N
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
-    if PDL and PREFETCH_LINES > 0:  # no kernel writes weights: their first tiles go to L2 before the wait
-        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS  # one address per 128-byte line
-        lines = tl.minimum(lines, k_hi - 1)
-        rows = tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
-        _prefetch_l2(w_ptr + rows[None, :] + lines[:, None])
     pdl_start(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -194,11 +179,6 @@ def _sum_splits(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PD
     for s in tl.static_range(1, SPLITS):  # unrolled: all loads in flight, the adds in split order
         acc += tl.load(ws_ptr + s * MN.to(tl.int64) + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _prefetch_lines(block_k: int, itemsize: int) -> int:
-    """128-byte lines of a weight row that PREFETCH_TILES tiles span, a power of two (0: no prefetch)."""
-    return triton.next_power_of_2(PREFETCH_TILES * block_k * itemsize // 128) if PREFETCH_TILES > 0 else 0
 
 
 def small_m_linear(
@@ -245,7 +225,6 @@ def small_m_linear(
         x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
         PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
-        PREFETCH_LINES=_prefetch_lines(bk, x.element_size()), LINE_ELEMS=128 // x.element_size(),
     )  # fmt: skip
     if s > 1 and not fixup:
         _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](

@@ -76,6 +76,7 @@ from .moe_decode import expert_shapes
 BLOCK_M = 16
 PLAN_CHUNK = 32  # pairs ranked and blocks planned per plan program
 PLAN_Q = 32  # pairs compared per step of the plan's loops
+PLAN_SMALL = 64  # pairs planned by one _plan_small program ([64, 64] comparisons; [E, n] work beyond)
 _INT_BIG = 1 << 30  # an id above every expert: masked pairs count nowhere
 _SEARCH_STEPS = 31  # binary search steps of the SORTED plan: enough for n < 2**30 pairs
 
@@ -137,6 +138,42 @@ def _plan(
     lo = tl.sum(tl.where(hit, start, 0), axis=1) + (b - first) * BLOCK_M
     hi = tl.minimum(lo + BLOCK_M, tl.sum(tl.where(hit, end, 0), axis=1))
     valid = eb < E
+    mask_b = b < NB_MAX
+    tl.store(blk_e_ptr + b, tl.where(valid, eb, -1), mask=mask_b)
+    tl.store(blk_lo_ptr + b, tl.where(valid, lo, 0), mask=mask_b)
+    tl.store(blk_hi_ptr + b, tl.where(valid, hi, 0), mask=mask_b)
+
+
+@triton.jit(do_not_specialize=["n", "NB_MAX"], do_not_specialize_on_alignment=["ids_ptr"])
+def _plan_small(
+    ids_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, n, NB_MAX,
+    BLOCK_M: tl.constexpr, P: tl.constexpr, NBP: tl.constexpr, BIG: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """`_plan` (not SORTED) for n <= P pairs in one program, by comparing the pairs with each other
+    ([P, P]) instead of counting every expert's pairs ([E, n] and [CHUNK, E]): the same order and
+    blocks. Pair p's expert run starts at #{q : id_q < id_p} and holds #{q : id_q == id_p} pairs; the
+    run's first pair carries its cdiv(count, BLOCK_M) blocks, and the runs of smaller ids come first."""
+    pdl_start(PDL)
+    p = tl.arange(0, P)
+    ep = tl.load(ids_ptr + p, mask=p < n, other=BIG).to(tl.int32)  # [P]
+    less = ep[None, :] < ep[:, None]  # [P, P]: [p, q] = id_q < id_p
+    same = ep[None, :] == ep[:, None]
+    same_before = same & (p[None, :] < p[:, None])
+    rank = tl.sum((less | same_before).to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, p, mask=p < n)
+    start = tl.sum(less.to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    head = (tl.sum(same_before.to(tl.int32), axis=1) == 0) & (p < n)
+    nbk = tl.where(head, (count + BLOCK_M - 1) // BLOCK_M, 0)  # [P] blocks of p's run, on its head
+    first = tl.sum(tl.where(less, nbk[None, :], 0), axis=1)  # [P] blocks of the runs before p's
+    b = tl.arange(0, NBP)
+    own = (first[None, :] <= b[:, None]) & (b[:, None] < first[None, :] + nbk[None, :])  # [NBP, P]
+    valid = tl.sum(own.to(tl.int32), axis=1) > 0  # one owner a block, none past the last
+    eb = tl.sum(tl.where(own, ep[None, :], 0), axis=1)
+    lo = tl.sum(tl.where(own, start[None, :], 0), axis=1)
+    lo += (b - tl.sum(tl.where(own, first[None, :], 0), axis=1)) * BLOCK_M
+    hi = tl.minimum(lo + BLOCK_M, tl.sum(tl.where(own, (start + count)[None, :], 0), axis=1))
     mask_b = b < NB_MAX
     tl.store(blk_e_ptr + b, tl.where(valid, eb, -1), mask=mask_b)
     tl.store(blk_lo_ptr + b, tl.where(valid, lo, 0), mask=mask_b)
@@ -284,12 +321,17 @@ def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
 
 
 def plan(
-    ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, sort: bool = False
+    ids: torch.Tensor,
+    num_experts: int,
+    block_m: int = BLOCK_M,
+    sort: bool = False,
+    small: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(order [n]: the pairs r*k + s stably sorted by expert id, blocks [3, nb] int32: per block its
     expert (-1 past the last block), and its range [lo, hi) over the sorted pairs). Decode (sort
     False) ranks the pairs in the plan kernel (order int32); prefill (sort True) sorts them with
-    torch.sort (order int64), then plans the blocks from the sorted ids."""
+    torch.sort (order int64), then plans the blocks from the sorted ids. Up to PLAN_SMALL pairs
+    (decode at a few rows) one `_plan_small` program does it (`small` forces either kernel: tests)."""
     n = ids.numel()
     nb_max = max_blocks(n, num_experts, block_m)
     # NOTE: rows padded to 4 entries (16 bytes), so the three rows' pointers are equally aligned at
@@ -303,6 +345,12 @@ def plan(
         _plan[(triton.cdiv(nb_max, PLAN_CHUNK),)](
             sorted_ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts,
             SORTED=True, SEARCH_STEPS=_SEARCH_STEPS, **pdl_args(sorted_ids),
+        )  # fmt: skip
+    elif (n <= PLAN_SMALL) if small is None else small:
+        order = torch.empty(n, dtype=torch.int32, device=ids.device)
+        _plan_small[(1,)](
+            ids, order, blk[0], blk[1], blk[2], n, nb_max, BLOCK_M=block_m, P=triton.next_power_of_2(n),
+            NBP=triton.next_power_of_2(max(nb_max, 1)), BIG=_INT_BIG, **pdl_args(ids),
         )  # fmt: skip
     else:
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
