@@ -172,6 +172,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
     p.add_argument("--prefill", action="store_true", help="also profile a prefill of --prompt-len tokens")
+    p.add_argument("--revision", default=None, help="git revision to record when the tree has no .git")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -186,7 +187,7 @@ def main() -> None:
         model, device, dtype, max_concurrency=conc, kv_capacity=cap, max_context=cap // conc
     )
     out = {
-        "git": git_info(),
+        "git": git_info(args.revision),
         "hardware": hardware(device),
         "command": " ".join(["python", *sys.argv]),
         "runs": [],
