@@ -15,7 +15,7 @@ from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
-from ..ops.triton.common import set_pdl
+from ..ops.triton.common import pdl_mode
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.runner import ChunkResult, ModelRunner
 from .detokenizer import Detokenizer
@@ -101,8 +101,8 @@ class LLMEngine:
                 self.pool.pages_for(self.max_context),
                 config.max_concurrency,
             )
-            set_pdl(config.pdl)  # the graphs hold the launches as captured
-            graphs.capture()
+            with pdl_mode(config.pdl):  # the graphs hold the launches as captured
+                graphs.capture()
         self.runner = ModelRunner(self.model, self.device, self.pool, self.slots, graphs, config.pdl)
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.hyper import inject, mix_streams, scaled_silu_linear
+from ..ops.hyper import inject, mix_streams, scaled_silu
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from .params import Weight, fuse_rows, project
@@ -33,7 +33,8 @@ class GatedResidual(nn.Module):
         else:  # both read X^: one GEMV over their stack when fused (vLLM merges them too)
             parts = (self.input_mix_weight_down, self.block_inject_weight)
             down, v = project(xn, parts, self.in_proj, ri)
-        logits = scaled_silu_linear(down, self.n, self.input_mix_weight_up.weight, ri)  # [T, nH]
+        a = scaled_silu(down, self.n, ri)  # [T, r]
+        logits = linear(a, self.input_mix_weight_up.weight, ri)  # [T, nH]
         u = mix_streams(logits, xn, self.n, self.hidden, ri)  # mean_s sigmoid(logits)_s * xn_s
         return u, v
 

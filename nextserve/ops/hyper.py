@@ -8,7 +8,6 @@
 import torch
 import torch.nn.functional as F
 
-from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
 
@@ -24,19 +23,6 @@ def scaled_silu(v: torch.Tensor, n: int, row_invariant: bool = False) -> torch.T
 
         return triton_scaled_silu(v, n)
     return rowwise(F.silu, v / n, row_invariant)
-
-
-def scaled_silu_linear(
-    v: torch.Tensor, n: int, weight: torch.Tensor, row_invariant: bool = False
-) -> torch.Tensor:
-    """linear(scaled_silu(v, n), weight): the mixer's low-rank activation and up projection. On CUDA in
-    row-invariant mode one GEMV that applies the activation to its input tiles as it reads them, with
-    the same roundings (so the same bits as the two calls)."""
-    if row_invariant and _triton_ok(v, weight):
-        from .triton.gemv import small_m_linear
-
-        return small_m_linear(v, weight, x_silu_scale=1.0 / n)
-    return linear(scaled_silu(v, n, row_invariant), weight, row_invariant)
 
 
 def mix_streams(

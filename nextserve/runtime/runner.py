@@ -17,7 +17,7 @@ from ..engine.sampling import TokenLogprob, sample_row
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
-from ..ops.triton.common import set_pdl
+from ..ops.triton.common import pdl_mode
 from .graph_runner import GraphRunner
 
 log = logging.getLogger("nextserve.runner")
@@ -106,11 +106,15 @@ class ModelRunner:
             results.append(ChunkResult(ch, error=_describe(exc)))
             return None
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
-        # NOTE: the switch is process-wide; setting it at every step keeps each engine of a process
-        # (tests, benchmarks) on its own setting. Captured graphs keep the setting they were captured with.
-        set_pdl(self.pdl)
+        # NOTE: the PDL switch is process-wide: each step sets this engine's and restores the previous
+        # one, so engines of one process (tests, benchmarks) keep their own settings. Captured graphs
+        # keep the setting they were captured with (the engine's: LLMEngine captures under it).
+        with pdl_mode(self.pdl):
+            return self._execute(plan)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> list[ChunkResult]:
         results: list[ChunkResult] = []
         rows, sample_chunks = [], []
         # NOTE: a prefill chunk runs alone, exactly as in the serial reference; decode rows share

@@ -90,27 +90,3 @@ def test_one_launch_reduction_gives_the_two_launch_bits(dtype: torch.dtype, N: i
     assert torch.equal(one, two)
     assert torch.equal(small_m_linear(x, w, splits=splits), one)  # the counters were reset
     assert int(_counters(x.device).abs().sum()) == 0
-
-
-@small
-@pytest.mark.usefixtures("row_independent_dot")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("N,K,splits", [(40, 300, 1), (24, 1100, 3)])
-def test_silu_input_gives_the_two_calls_bits(dtype: torch.dtype, N: int, K: int, splits) -> None:
-    """x_silu_scale reads silu(x / n) in place of x, from a strided column slice: the bits of the
-    scaled-silu kernel's output multiplied by the same GEMM (the hyper-connections' up projection)."""
-    from nextserve.ops.hyper import scaled_silu, scaled_silu_linear
-    from nextserve.ops.linear import linear
-    from nextserve.ops.triton.hyper import triton_scaled_silu
-
-    x, w = _problem(5, N, K + 4, dtype, seed=N + K)
-    w = w[:, :K].contiguous()
-    view = x[:, 2 : 2 + K]  # rows K + 4 apart, like `down` inside the stacked down|inject output
-    a = triton_scaled_silu(view, 4)
-    for s in (splits, None):
-        fused = small_m_linear(view, w, splits=s, x_silu_scale=0.25)
-        assert torch.equal(fused, small_m_linear(a, w, splits=s))
-    for i in (0, 3):  # a row alone
-        assert torch.equal(small_m_linear(view[i : i + 1], w, x_silu_scale=0.25)[0], fused[i])
-    # the op (the fused kernel on CUDA; on the CPU its reference) against its two-call reference
-    assert torch.equal(scaled_silu_linear(view, 4, w, True), linear(scaled_silu(view, 4, True), w, True))

@@ -25,9 +25,10 @@ def test_cpu_tensors_never_launch_with_pdl() -> None:
 
 
 def test_each_engine_steps_with_its_own_setting(tiny_model_dir, monkeypatch) -> None:
+    """Each step runs under its engine's setting, and leaves the process's switch as it found it."""
     seen: list[bool] = []
-    real = common.set_pdl
-    monkeypatch.setattr("nextserve.runtime.runner.set_pdl", lambda on: (seen.append(on), real(on)))
+    real = common.pdl_mode
+    monkeypatch.setattr("nextserve.runtime.runner.pdl_mode", lambda on: (seen.append(on), real(on))[1])
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     on = LLM(tiny_model_dir, device="cpu", pdl=True, max_concurrency=1)
     off = LLM(tiny_model_dir, device="cpu", pdl=False, max_concurrency=1)
@@ -36,4 +37,13 @@ def test_each_engine_steps_with_its_own_setting(tiny_model_dir, monkeypatch) -> 
     n = len(seen)
     on.generate([[5, 6]], params)
     assert set(seen[n:]) == {True}
-    set_pdl(False)
+    assert common._PDL[0] is False  # nothing leaked
+
+
+def test_pdl_mode_restores() -> None:
+    with common.pdl_mode(True):
+        assert common._PDL[0] is True
+        with common.pdl_mode(False):
+            assert common._PDL[0] is False
+        assert common._PDL[0] is True
+    assert common._PDL[0] is False

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_pdl, pdl_start, unit_stride
+from .common import launch_pdl, pdl_start
 
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
@@ -117,13 +117,11 @@ def _small_m_gemm(
     stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    X_SILU: tl.constexpr = False, x_scale=1.0,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
     partial to ws[split, rows, cols] (a [S, M, N] workspace), and with FIXUP the tile's last program adds
-    the partials in split order into out; else round and store to out[rows, cols]. X_SILU: x is read as
-    silu(x * x_scale), both rounded to x's dtype as `_scaled_silu` (ops/triton/hyper.py) rounds them."""
+    the partials in split order into out; else round and store to out[rows, cols]."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -143,9 +141,6 @@ def _small_m_gemm(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptrs, mask=mask_m & (kk[None, :] < k_hi), other=0.0)
-        if X_SILU:  # padding stays 0: silu(0) = 0
-            v = (x.to(tl.float32) * x_scale).to(x.dtype).to(tl.float32)
-            x = (v / (1.0 + tl.exp(-v))).to(x.dtype)
         w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
@@ -197,18 +192,14 @@ def small_m_linear(
     num_stages: int | None = None,
     block_m: int | None = None,
     one_launch: bool = True,
-    x_silu_scale: float | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
     capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
     (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
     `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` overrides
     the rows per program (16, or 32 when M > 16) for the benchmark's check that both give the same bits;
-    `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark).
-    `x_silu_scale`: multiply silu(x * x_silu_scale) instead of x (the hyper-connections' low-rank
-    activation, ops.hyper.scaled_silu, read in place: one launch and one round trip fewer).
-    x may have any row stride (a column slice of a stacked projection is read in place)."""
-    x = unit_stride(x)
+    `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark)."""
+    x = x.contiguous()
     weight = weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]
@@ -234,7 +225,6 @@ def small_m_linear(
         x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
         PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
-        X_SILU=x_silu_scale is not None, x_scale=1.0 if x_silu_scale is None else x_silu_scale,
     )  # fmt: skip
     if s > 1 and not fixup:
         _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](
