@@ -34,6 +34,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "host_kv_mib": "host memory (MiB) the host image store may hold",
     "cuda_graph": "replay each decode step as a CUDA graph per batch-size bucket (GPU only; "
     "--no-cuda-graph runs the same kernels eagerly)",
+    "speculative_method": "off, or ngram: propose draft tokens by looking the last 3 (then 2) tokens up "
+    "earlier in the sequence, and check them with one verify window (outputs unchanged; CPU backend only "
+    "for now)",
+    "speculative_tokens": "most draft tokens per verify window (1..32)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "
     "the previous one's end (sm_90+ GPUs; same outputs either way; --no-pdl turns it off)",
 }

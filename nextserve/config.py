@@ -276,6 +276,8 @@ class EngineConfig:
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs (GPU only)
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
+    speculative_method: str = "off"  # "ngram": draft tokens by prompt lookup, checked by verify windows
+    speculative_tokens: int = 4  # draft tokens per verify window at most
     host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
     host_kv_mib: int = 4096  # host memory the host image store may use
 
@@ -297,6 +299,10 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.host_state_slots and not self.prefix_cache_images:
             raise ConfigError("host_state_slots needs prefix_cache_images > 0 (it keeps device spills)")
+        if self.speculative_method not in ("off", "ngram"):
+            raise ConfigError(f"speculative_method must be off or ngram, got {self.speculative_method!r}")
+        if not isinstance(self.speculative_tokens, int) or not 1 <= self.speculative_tokens <= 32:
+            raise ConfigError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens!r}")
         for name in ("cuda_graph", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

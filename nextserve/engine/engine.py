@@ -23,6 +23,7 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .speculative import NgramProposer
 from .validate import check_prompt
 
 log = logging.getLogger("nextserve.engine")
@@ -89,8 +90,12 @@ class LLMEngine:
             if config.prefix_cache_images > 0
             else None
         )
+        proposer = None
+        if config.speculative_method == "ngram":
+            proposer = NgramProposer(config.speculative_tokens)
+        self.spec_drafted = self.spec_accepted = 0
         self.scheduler = Scheduler(
-            self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix
+            self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer
         )
         graphs = None
         if self.device.type == "cuda" and config.cuda_graph:
@@ -213,7 +218,7 @@ class LLMEngine:
             return self.drain_finished([])
         results = self.runner.execute(plan)
         self.update(results)
-        return self.drain_finished([c.seq for c in plan.prefills + plan.decodes])
+        return self.drain_finished([c.seq for c in plan.chunks])
 
     def update(self, results: list[ChunkResult]) -> None:
         """Commit what each chunk computed. An error ends that chunk's request only (C2)."""
@@ -224,13 +229,20 @@ class LLMEngine:
             if r.error is not None:
                 self.scheduler.finish(seq, "error", r.error)
                 continue
-            seq.num_computed = seq.cache.length = r.chunk.end
+            seq.num_computed = seq.cache.length = r.chunk.end if r.computed is None else r.computed
+            if r.chunk.drafts:
+                self.spec_drafted += len(r.chunk.drafts)
+                self.spec_accepted += seq.num_computed - r.chunk.start - 1
             if self.prefix is not None and r.chunk.end <= len(seq.prompt_ids):
                 self._keep_image(seq)
             if r.token is None:
                 continue
             try:
                 self._append(seq, r.token, r.logprob)
+                for token, logprob in r.more:  # a verify window's further tokens, while seq runs
+                    if seq.finished:
+                        break
+                    self._append(seq, token, logprob)
             except Exception as exc:  # noqa: BLE001 - e.g. a grammar that fails to accept
                 log.exception("update of %s failed", seq.request_id)
                 self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
@@ -299,4 +311,6 @@ class LLMEngine:
             "state_slots_total": self.slots.num_slots,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
+            "spec_draft_tokens": self.spec_drafted,
+            "spec_accepted_tokens": self.spec_accepted,
         }

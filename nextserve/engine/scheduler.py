@@ -11,6 +11,7 @@ from ..cache.prefix import PrefixCache
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
 from .sequence import Sequence, Status
+from .speculative import NgramProposer
 
 
 class QueueFull(RuntimeError):
@@ -23,16 +24,22 @@ class Chunk:
     start: int
     end: int
     sample: bool  # the last row's logits choose the next token
+    drafts: tuple[int, ...] = ()  # a verify window: the draft tokens after the sequence's last token
 
 
 @dataclass
 class StepPlan:
     prefills: list[Chunk] = field(default_factory=list)
     decodes: list[Chunk] = field(default_factory=list)
+    verifies: list[Chunk] = field(default_factory=list)  # decoding sequences with drafts to check
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.verifies
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.prefills + self.decodes + self.verifies
 
 
 class Scheduler:
@@ -43,8 +50,9 @@ class Scheduler:
         prefill_chunk: int,
         max_pending: int,
         prefix: PrefixCache | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
-        self.pool, self.slots, self.prefix = pool, slots, prefix
+        self.pool, self.slots, self.prefix, self.proposer = pool, slots, prefix, proposer
         self.prefill_chunk, self.max_pending = prefill_chunk, max_pending
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -94,9 +102,21 @@ class Scheduler:
                     start = seq.num_computed
                     end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(seq.prompt_ids))
                     plan.prefills.append(Chunk(seq, start, end, sample=end == len(seq.prompt_ids)))
+            elif drafts := self._drafts(seq):
+                start = seq.num_computed
+                plan.verifies.append(Chunk(seq, start, start + 1 + len(drafts), sample=True, drafts=drafts))
             else:
                 plan.decodes.append(Chunk(seq, seq.num_computed, seq.num_computed + 1, sample=True))
         return plan
+
+    def _drafts(self, seq: Sequence) -> tuple[int, ...]:
+        """Draft tokens for seq's next verify window: none without a proposer, for a request with a
+        grammar (its matcher advances one token at a time), or when no n-gram recurs. The window's
+        positions stay inside the pages admission reserved (seq.token_budget())."""
+        if self.proposer is None or seq.constraint is not None:
+            return ()
+        limit = seq.token_budget() - seq.num_computed - 1
+        return tuple(self.proposer.propose(seq.all_ids, limit))
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence wherever it is and return its pages and slot at once."""

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import causal_conv, conv_step
+from ..ops.conv import causal_conv, conv_step, conv_window
 from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
@@ -64,9 +64,13 @@ class GatedDeltaNet(nn.Module):
         core = []
         for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
             conv_hist, rec = chunk.cache.gdn_state(self.gdn_index)
-            x, new_hist = causal_conv(qkv[s:e], conv_hist, conv_w)
-            conv_hist.copy_(new_hist)
-            q, k, v = self._split(F.silu(x))
+            if ri:  # a verify window: decode's conv, token by token (C1)
+                x = conv_window(qkv[s:e], conv_hist, conv_w, silu=True)
+            else:
+                x, new_hist = causal_conv(qkv[s:e], conv_hist, conv_w)
+                conv_hist.copy_(new_hist)
+                x = F.silu(x)
+            q, k, v = self._split(x)
             o, new_rec = gated_delta_rule(q, k, v, g[s:e], beta[s:e], rec)
             rec.copy_(new_rec)
             core.append(o)

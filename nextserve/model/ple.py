@@ -7,10 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import causal_conv, conv_step
+from ..ops.conv import causal_conv, conv_step, conv_window
 from ..ops.norms import rms_norm
 from ..ops.ple import ngram_contexts, ngram_ids, ple_decode_ids, ple_gate
-from ..ops.pointwise import rowwise
 from .batch import DecodeBatch, ForwardBatch
 from .params import Weight, fuse_rows, project
 
@@ -122,10 +121,13 @@ class PLE(nn.Module):
         convs = []
         for chunk, (s, e) in zip(batch.chunks, batch.spans(), strict=True):
             _, conv_hist = chunk.cache.ple_state(self.ple_index)
+            if ri:  # a verify window: decode's conv, token by token (C1)
+                convs.append(conv_window(normed[s:e], conv_hist, conv_w, self.N, silu=True))
+                continue
             out, new_hist = causal_conv(normed[s:e], conv_hist, conv_w, dilation=self.N)
             conv_hist.copy_(new_hist)
-            convs.append(out)
-        return gated + rowwise(F.silu, torch.cat(convs), ri)
+            convs.append(F.silu(out))
+        return gated + torch.cat(convs)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row; contexts and conv histories read and written through the rows' slots."""

@@ -60,3 +60,15 @@ def conv_step(
     if not outs:
         return x.new_empty(x.shape)
     return torch.cat(outs, dim=0)
+
+
+def conv_window(
+    x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1, silu: bool = False
+) -> torch.Tensor:
+    """Row-invariant windows (verify windows): x [T, C] through `conv_step` one token at a time on
+    `history` [C, L] (updated in place), so each row gets the bits a decode step at its position gets,
+    on every backend (the CUDA decode kernel rounds as it does, not as `causal_conv` over T rows)."""
+    state = history.unsqueeze(0)  # [1, C, L]: a plane of one slot, a view of the history
+    slot = torch.zeros(1, dtype=torch.long, device=x.device)
+    outs = [conv_step(x[t : t + 1], state, slot, weight, dilation, silu) for t in range(x.shape[0])]
+    return torch.cat(outs, dim=0) if outs else x.new_empty(x.shape)

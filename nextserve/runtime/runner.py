@@ -5,7 +5,7 @@ choose a token."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ class ChunkResult:
     token: int | None = None
     logprob: TokenLogprob | None = None
     error: str | None = None
+    more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # a window's next tokens
+    computed: int | None = None  # a window's committed end (chunk.end when all its drafts held)
 
 
 def _describe(exc: BaseException) -> str:
@@ -128,6 +130,7 @@ class ModelRunner:
                 sample_chunks.append(ch)
             else:
                 results.append(ChunkResult(ch))
+        results += [self._verify(ch) for ch in plan.verifies]
         logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (logits, argmax or None) parts
         if rows:
             try:
@@ -146,6 +149,40 @@ class ModelRunner:
         if not sample_chunks:
             return results
         return results + self._sample(sample_chunks, logits)
+
+    def _window(self, ch: Chunk, ids: list[int]) -> ForwardBatch:
+        """A verify window's rows: ids at positions ch.start.., one sequence, row-invariant (each row
+        gets the bits a decode step at its position gets)."""
+        n = len(ids)
+        pos = torch.arange(ch.start, ch.start + n, dtype=torch.long, device=self.device)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return ForwardBatch(ids_t, pos, [SeqChunk(ch.seq.cache, ch.start, n)], row_invariant=True)
+
+    def _verify(self, ch: Chunk) -> ChunkResult:
+        """One verify window (engine/speculative.py): the sequence's last token and its drafts in one
+        forward, rows sampled in order until a sampled token differs from its draft; the state is
+        rewound to the last committed position when a draft was rejected."""
+        seq, cache = ch.seq, ch.seq.cache
+        ids = [seq.token_at(ch.start), *ch.drafts]
+        try:
+            for p in range(ch.start, ch.end):
+                cache.own_page_at(p)
+            before = self.states.copy_out(cache.slot)
+            logits = self.model.logits(self.model(self._window(ch, ids)), row_invariant=True)
+            sampled = []
+            for j in range(len(ids)):
+                sampled.append(sample_row(logits[j], seq.params, seq.generator))
+                if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
+                    break
+            kept = len(sampled)  # rows whose input is committed: the last token, the accepted drafts
+            if kept < len(ids):
+                self.states.copy_in(cache.slot, before)
+                self.model(self._window(ch, ids[:kept]))
+        except Exception as exc:  # noqa: BLE001 - that request only (C2)
+            log.exception("verify window failed")
+            return ChunkResult(ch, error=_describe(exc))
+        (token, lp), more = sampled[0], sampled[1:]
+        return ChunkResult(ch, token, lp, more=more, computed=ch.start + kept)
 
     def _sample(
         self, chunks: list[Chunk], parts: list[tuple[torch.Tensor, torch.Tensor | None]]

@@ -1,0 +1,67 @@
+"""Shared by the speculative decoding tests (tests/engine, tests/gpu): prompts, drafts from the serial
+reference, output comparison, and the check that a verify window's rows equal serial decode."""
+
+import torch
+
+from nextserve import SamplingParams
+from nextserve.config import EngineConfig
+from nextserve.engine.engine import LLMEngine
+from nextserve.model.batch import ForwardBatch, SeqChunk
+
+
+def spec_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(8, 250, (n,), generator=g).tolist() for n in (37, 45, 61)]
+
+
+class OracleProposer:
+    """Drafts from the serial reference's outputs, with the outputs at `wrong` indices changed."""
+
+    def __init__(self, prompts, outputs, k: int, wrong) -> None:
+        self.by_prompt = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+        self.k, self.wrong = k, wrong
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        for prompt, out in self.by_prompt.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = out[done : done + min(self.k, limit)]
+                return [(t + 1) % 256 if self.wrong(done + i) else t for i, t in enumerate(drafts)]
+        raise AssertionError("unknown sequence")
+
+
+def same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.finish_reason == y.finish_reason
+        if x.logprobs is not None:
+            assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
+            assert [lp.top for lp in x.logprobs] == [lp.top for lp in y.logprobs]
+
+
+def check_window_rows(model_dir, flags: dict, k: int = 6) -> None:
+    """Each row of a verify window of k rows after the second prompt equals serial decode's logits."""
+    prompt = spec_prompts()[1]
+    params = SamplingParams(max_tokens=k + 1, temperature=0.0, ignore_eos=True)
+    serial = LLMEngine(EngineConfig(model=str(model_dir), **flags))
+    steps = []
+    decode = serial.runner.decode_logits
+    serial.runner.decode_logits = lambda chunks: steps.append(decode(chunks)[0].clone()) or (steps[-1], None)
+    rid = serial.add_request(prompt, params)
+    while serial.has_unfinished():
+        out = serial.step()
+    tokens = next(o for o in out if o.request_id == rid).token_ids
+    eng = LLMEngine(EngineConfig(model=str(model_dir), **flags))
+    seq = eng.sequences[eng.add_request(prompt, params)]
+    while not seq.output_ids:
+        eng.step()
+    start, dev = len(prompt), eng.device
+    for p in range(start, start + k):
+        seq.cache.own_page_at(p)
+    with torch.inference_mode():
+        ids, pos = torch.tensor(tokens[:k], device=dev), torch.arange(start, start + k, device=dev)
+        streams = eng.model(ForwardBatch(ids, pos, [SeqChunk(seq.cache, start, k)], row_invariant=True))
+        window = eng.model.logits(streams, row_invariant=True)
+    assert len(steps) == k
+    bad = [j for j, logits in enumerate(steps) if not torch.equal(window[j], logits[0])]
+    assert not bad, f"window rows {bad} differ from serial decode"
