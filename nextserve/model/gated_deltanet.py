@@ -6,7 +6,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step, conv_window
-from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step
+from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step, recurrent_window
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
 from .batch import DecodeBatch, ForwardBatch
@@ -71,6 +71,9 @@ class GatedDeltaNet(nn.Module):
                 conv_hist.copy_(new_hist)
                 x = F.silu(x)
             q, k, v = self._split(x)
+            if ri:  # a verify window: decode's recurrence kernel, token by token (C1)
+                core.append(recurrent_window(q, k, v, g[s:e], beta[s:e], rec))
+                continue
             o, new_rec = gated_delta_rule(q, k, v, g[s:e], beta[s:e], rec)
             rec.copy_(new_rec)
             core.append(o)

@@ -113,3 +113,24 @@ def gdn_gates(
     beta = rowwise(torch.sigmoid, b, row_invariant)
     g = -a_log.float().exp() * rowwise(F.softplus, a.float() + dt_bias, row_invariant)
     return g, beta
+
+
+def recurrent_window(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """Row-invariant windows (verify windows), one sequence: its T tokens through `recurrent_step` one
+    at a time on `state` [Hv, dk, dv] float32 (updated in place), so each row gets the bits a decode
+    step at its position gets on every backend (the chunk kernel keeps the state in registers, and its
+    float32 contractions need not be the step kernel's). Returns o [T, Hv, dv]."""
+    plane = state.unsqueeze(0)  # [1, Hv, dk, dv]: a plane of one slot, a view of the state
+    slot = torch.zeros(1, dtype=torch.long, device=q.device)
+    outs = [
+        recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], plane, slot)
+        for t in range(q.shape[0])
+    ]
+    return torch.cat(outs, dim=0) if outs else v.new_empty(v.shape)
