@@ -21,12 +21,12 @@ def gated_delta_rule(
     Returns (o [T, Hv, dv] in v's dtype, new state float32). Computes in float32; q and k are
     L2-normalised here and q scaled by dk^-1/2. Key head j serves value heads j*r .. j*r+r-1.
 
-    # NOTE: each token is one step of S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q, so a verify
-    # window gives every row the bits serial decode gives it.
+    # NOTE: each token is one step of S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q.
     # On CUDA (bf16/fp16/fp32) this is one Triton launch (ops/triton/gdn_chunk.py) running the decode
-    # kernel's per-token code with the state tile in registers, so there too a token of a chunk gets the
-    # bits of serial decode steps (recurrent_step; tests/ops/test_gdn_chunk.py checks it); elsewhere it
-    # is this loop, the kernel's reference.
+    # kernel's per-token code with the state tile in registers (tests/ops/test_gdn_chunk.py compares it
+    # with recurrent_step); elsewhere it is this loop, the kernel's reference. Verify windows do not rely
+    # on the two kernels agreeing: on an H200 a float32 window row differed from serial decode through
+    # this kernel, so windows run `recurrent_window` (decode's kernel, token by token).
     """
     if use_kernel(q, k, v):
         from .triton.gdn_chunk import triton_gated_delta_rule

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,6 +42,12 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        counters = {  # speculative decoding (vLLM's spec_decode_num_draft/accepted_tokens)
+            "nextserve_spec_draft_tokens": ("Draft tokens checked by verify windows", "spec_draft_tokens"),
+            "nextserve_spec_accepted_tokens": ("Draft tokens accepted", "spec_accepted_tokens"),
+        }
+        for name, (doc, key) in counters.items():
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
 
 
 class ServerMetrics:

@@ -61,6 +61,8 @@ def test_models_health_metrics(server):
         "nextserve_queue_depth",
         "nextserve_running_sequences",
         "nextserve_kv_pages_in_use",
+        "nextserve_spec_draft_tokens_total",
+        "nextserve_spec_accepted_tokens_total",
     ):
         assert name in text, name
 
