@@ -278,6 +278,7 @@ class EngineConfig:
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
     speculative_method: str = "off"  # "ngram": draft tokens by prompt lookup, checked by verify windows
     speculative_tokens: int = 4  # draft tokens per verify window at most
+    pipeline_stages: int = 1  # processes the layers are split across (CPU, Gloo, for now)
     host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
     host_kv_mib: int = 4096  # host memory the host image store may use
 
@@ -286,7 +287,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("prefill_chunk", "max_concurrency", "page_size", "max_pending"):
+        for name in ("prefill_chunk", "max_concurrency", "page_size", "max_pending", "pipeline_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.kv_capacity != "auto" and (not isinstance(self.kv_capacity, int) or self.kv_capacity <= 0):

@@ -45,6 +45,10 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop what the engine started beside it (pipeline stage processes); idempotent."""
+        self.engine.close()
+
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model directory has no chat template")

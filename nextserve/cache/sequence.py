@@ -30,10 +30,15 @@ def release_image(pool: KVPool, image: SequenceImage) -> None:
 
 
 class SequenceCache:
-    def __init__(self, pool: KVPool, slots: StateSlots) -> None:
+    def __init__(
+        self, pool: KVPool, slots: StateSlots, slot: int | None = None, block_table: list[int] | None = None
+    ) -> None:
+        """A new sequence's cache (a freshly reset slot, no pages); or, given `slot` and `block_table`,
+        a view of a sequence whose slot and pages another holder allocated (a pipeline stage mirrors
+        the driver's allocation on its own planes): nothing is taken here, and `free` is not called."""
         self.pool, self.slots = pool, slots
-        self.slot = slots.alloc()
-        self.block_table: list[int] = []
+        self.slot = slots.alloc() if slot is None else slot
+        self.block_table: list[int] = list(block_table or [])
         self._table_list: list[int] | None = None  # what _table_dev was built from
         self._table_dev: torch.Tensor | None = None
         self._table32: torch.Tensor | None = None  # the same, int32 [1, pages], as the paged ops take it

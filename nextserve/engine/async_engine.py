@@ -180,3 +180,5 @@ class AsyncEngine:
             self._abort_all = self._abort_all or abort_running
             self._mu.notify_all()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # pipeline stage processes, once no step can run any more

@@ -17,6 +17,7 @@ from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from ..ops.triton.common import pdl_mode
 from ..runtime.graph_runner import GraphRunner
+from ..runtime.pipeline import PipelineRunner, build_stage, stage_layers
 from ..runtime.runner import ChunkResult, ModelRunner
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
@@ -65,21 +66,28 @@ class LLMEngine:
         the weights of `config.model`, a model directory."""
         self.config = config
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        stages = config.pipeline_stages
         if model is None:
             self.model_config = cfg = ModelConfig.from_dir(config.model)
             self.tokenizer = load_tokenizer(config.model)
-            self.model = load_model(config, cfg)
         else:
-            self.model_config, self.tokenizer, self.model = (cfg := model.cfg), None, model.eval()
-        self.model.fuse_projections()
+            self.model_config, self.tokenizer = (cfg := model.cfg), None
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
-        self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
         capacity = self._kv_capacity(n_attn)
         self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
         if config.max_context is not None and config.max_context > capacity:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
         num_pages = -(-capacity // config.page_size)
-        self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
+        if stages > 1:
+            ranges = self._check_pipeline(model)
+            self.model, self.pool, self.slots = build_stage(
+                config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size
+            )
+        else:
+            self.model = load_model(config, cfg) if model is None else model.eval()
+            self.model.fuse_projections()
+            self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
+            self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
         host = (
             HostImageStore(config.host_state_slots, config.host_kv_mib * 2**20)
             if config.host_state_slots > 0
@@ -108,10 +116,32 @@ class LLMEngine:
             )
             with pdl_mode(config.pdl):  # the graphs hold the launches as captured
                 graphs.capture()
-        self.runner = ModelRunner(self.model, self.device, self.pool, self.slots, graphs, config.pdl)
+        if stages > 1:
+            self.runner = PipelineRunner(config.model, self.model, self.pool, self.slots, ranges)
+        else:
+            self.runner = ModelRunner(self.model, self.device, self.pool, self.slots, graphs, config.pdl)
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0
+
+    def _check_pipeline(self, model: FlashNext | None) -> list[range]:
+        """The stages' layer ranges, or a ConfigError for what pipelines do not run yet."""
+        c, L = self.config, self.model_config.num_hidden_layers
+        if model is not None:
+            raise ConfigError("pipeline stages load their own layers' weights from --model")
+        if self.device.type != "cpu":
+            raise ConfigError("pipeline stages run on the CPU backend (Gloo) only for now")
+        if c.prefix_cache_images or c.host_state_slots or c.speculative_method != "off":
+            raise ConfigError("pipeline stages do not run with the prefix cache or speculation yet")
+        if c.pipeline_stages > L:
+            raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
+        return stage_layers(L, c.pipeline_stages)
+
+    def close(self) -> None:
+        """Stop what the engine started beside it (pipeline stage processes); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _kv_capacity(self, n_attn: int) -> int:
         cap = self.config.kv_capacity

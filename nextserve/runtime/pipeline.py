@@ -1,0 +1,308 @@
+"""Pipeline stages: the model's layers split into contiguous ranges, one process per stage, activations
+passed stage to stage (DESIGN.md "Pipeline"). This first runtime runs on CPUs over Gloo, one microbatch
+in flight: every stage runs each step's prefill chunk and decode batch in turn.
+
+# NOTE: the engine process is stage 0 and the driver: its scheduler allocates state slots and KV pages
+# for every stage, since each stage holds its own layers' planes of the same sizes, indexed alike. A
+# step is broadcast as a `StageStep` (each chunk's slot, block table, positions and token ids); every
+# stage rebuilds the same batches on its own planes. Activations cross stages as raw bytes, so they
+# arrive bit for bit (C1): a split model gives the whole model's logits exactly
+# (tests/model/test_stages.py, tests/runtime/test_pipeline.py). The last stage sends the logits of the
+# rows that choose a token to stage 0, which samples them as a single device does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..cache.kv_pool import KVPool
+from ..cache.sequence import SequenceCache
+from ..cache.states import KindRange, StateSlots
+from ..config import ModelConfig
+from ..engine.scheduler import StepPlan
+from ..model.batch import ForwardBatch, SeqChunk
+from ..model.flash_next import FlashNext
+from ..model.loader import load_weights
+from .runner import ChunkResult, ModelRunner, _describe
+
+log = logging.getLogger("nextserve.pipeline")
+TIMEOUT = datetime.timedelta(seconds=600)  # a stage that stops answering fails the step, not forever
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """Contiguous layer ranges, as even as can be (the first stages take one more)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{stages} stages for {num_layers} layers")
+    size, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + size + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What a stage process needs to build itself (picklable)."""
+
+    model_dir: str
+    cfg: ModelConfig
+    layers: range
+    dtype: torch.dtype
+    num_slots: int
+    num_pages: int
+    page_size: int
+    rank: int
+    world: int
+    port: int
+    threads: int  # the driver's torch threads: a CPU GEMM's reduction order may follow the thread count
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    slot: int
+    table: list[int]
+    start: int
+    ids: list[int]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+
+
+@dataclass(frozen=True)
+class StageStep:
+    prefills: list[PrefillWork]
+    decode: DecodeWork | None
+
+
+def build_stage(
+    model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
+    page_size: int, device: torch.device | str = "cpu",
+) -> tuple[FlashNext, KVPool, StateSlots]:  # fmt: skip
+    """One stage's layers (with their weights only), state slots and KV pool."""
+    last = layers.stop == cfg.num_hidden_layers
+    weights = load_weights(
+        Path(model_dir), cfg, layers, with_embed=layers.start == 0, with_head=last, dtype=dtype, device=device
+    )
+    with torch.device(device):
+        model = FlashNext(cfg, layers).to(dtype)
+    model.load_state_dict(weights, strict=True)
+    model.eval().fuse_projections()
+    kinds = KindRange.of(cfg, layers)
+    slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds)
+    pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
+    return model, pool, slots
+
+
+class StageChannel:
+    """Point-to-point and broadcast traffic of one stage over its own Gloo group (no global state)."""
+
+    def __init__(self, rank: int, world: int, port: int) -> None:
+        self.rank, self.world = rank, world
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+        self.group = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+        self._from_stage0 = dist.BroadcastOptions()
+        self._from_stage0.rootRank = 0
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Starts sending t; `flush` waits for every send started.
+
+        # NOTE: not waited for here: stage 0 sends a decode batch to stage 1 while the last stage sends
+        # it the logits of the step's prefill chunk, and two blocking sends would wait on each other."""
+        data = t.contiguous().view(torch.uint8).flatten()
+        self.pending.append((self.group.send([data], dst, 0), data))
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype)
+        self.group.recv([buf.view(torch.uint8).flatten()], src, 0).wait()
+        return buf
+
+    def broadcast(self, obj: object) -> object:
+        """obj from stage 0 to every stage (the others pass None)."""
+        size = torch.zeros(1, dtype=torch.long)
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size[0] = len(data)
+        self.group.broadcast([size], self._from_stage0).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
+        if buf is None:
+            buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.group.broadcast([buf], self._from_stage0).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+
+class StageWorker(ModelRunner):
+    """A stage's share of each step: its layers over the step's batches, on its own planes."""
+
+    def __init__(self, model: FlashNext, pool: KVPool, slots: StateSlots, channel: StageChannel) -> None:
+        super().__init__(model, torch.device("cpu"), pool, slots)
+        self.channel = channel
+        self.nH = model.cfg.hc_hidden
+
+    def _stream_in(self, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+        r = self.channel.rank
+        return None if r == 0 else self.channel.recv((rows, self.nH), dtype, r - 1)
+
+    def _stream_out(self, x: torch.Tensor, sample_rows: torch.Tensor | None) -> None:
+        """To the next stage; from the last, the logits of the rows that sample, to stage 0."""
+        r = self.channel.rank
+        if r < self.channel.world - 1:
+            self.channel.send(x, r + 1)
+        elif sample_rows is not None:
+            self.channel.send(self.model.logits(x[sample_rows], row_invariant=True), 0)
+
+    @torch.inference_mode()
+    def run(self, step: StageStep, dtype: torch.dtype) -> None:
+        for w in step.prefills:
+            if w.start == 0:
+                self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
+            cache = SequenceCache(self.pool, self.states, slot=w.slot, block_table=w.table)
+            n = len(w.ids)
+            ids = torch.tensor(w.ids, dtype=torch.long)
+            batch = ForwardBatch(
+                ids, torch.arange(w.start, w.start + n), [SeqChunk(cache, w.start, n)], False
+            )
+            x = self.model(batch, self._stream_in(n, dtype))
+            self._stream_out(x, torch.tensor([n - 1]) if w.sample else None)
+        if step.decode is not None:
+            d = step.decode
+            batch = self.decode_batch(d.ids, d.positions, d.slots, d.tables)
+            x = self.model.decode(batch, self._stream_in(len(d.ids), dtype))
+            self._stream_out(x, torch.arange(len(d.ids)))
+        if self.channel.rank:
+            self.channel.flush()
+
+
+def _exit_with_parent() -> None:
+    """End this stage when the driver process ends, however it ends (a watcher thread)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="nextserve-stage-watch").start()
+
+
+def stage_main(setup: StageSetup) -> None:
+    """A stage process (rank >= 1): build, then run the broadcast steps until a None step."""
+    torch.set_num_threads(setup.threads)  # the driver's, so its layers compute as in one process (C1)
+    _exit_with_parent()
+    channel = StageChannel(setup.rank, setup.world, setup.port)
+    model, pool, slots = build_stage(
+        setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
+        setup.page_size,
+    )  # fmt: skip
+    worker = StageWorker(model, pool, slots, channel)
+    channel.broadcast(None)  # ready
+    while (step := channel.broadcast(None)) is not None:
+        worker.run(step, setup.dtype)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PipelineRunner(StageWorker):
+    """Stage 0 and the driver: broadcasts each step, runs stage 0's share, receives the last stage's
+    logits and samples them (the single-device runner's sampling)."""
+
+    def __init__(
+        self, model_dir: str, model: FlashNext, pool: KVPool, slots: StateSlots, stages: list[range]
+    ):
+        port = free_port()
+        cfg, dtype = model.cfg, pool.k.dtype
+        self.procs: list[subprocess.Popen] = []
+        # NOTE: `python -m` children, not multiprocessing's spawn, which would re-run the user's main
+        # module in every stage.
+        for rank in range(1, len(stages)):
+            setup = StageSetup(model_dir, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
+                               pool.page_size, rank, len(stages), port, torch.get_num_threads())  # fmt: skip
+            # NOTE: a session of its own: a terminal's Ctrl-C or a supervisor's signal to the process
+            # group reaches the driver only, which then stops the stages in order (`close`).
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "nextserve.runtime.stage_main"], stdin=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+            proc.stdin.write(pickle.dumps(setup))
+            proc.stdin.close()
+            self.procs.append(proc)
+        super().__init__(model, pool, slots, StageChannel(0, len(stages), port))
+        self.channel.broadcast(None)  # every stage is built
+        self.dtype = dtype
+
+    def execute(self, plan: StepPlan) -> list[ChunkResult]:
+        if plan.verifies:
+            raise RuntimeError("verify windows are not run by pipeline stages yet")
+        prefills = [
+            PrefillWork(ch.seq.cache.slot, list(ch.seq.cache.block_table), ch.start,
+                        ch.seq.tokens(ch.start, ch.end), ch.sample)
+            for ch in plan.prefills
+        ]  # fmt: skip
+        decode = None
+        if plan.decodes:
+            ids, positions, slots, tables = self.decode_inputs(plan.decodes)
+            decode = DecodeWork(ids, positions, slots, [list(t) for t in tables])
+        step = StageStep(prefills, decode)
+        self.channel.broadcast(step)
+        self.run(step, self.dtype)
+        rows, chunks = [], []
+        V, last = self.model.cfg.vocab_size, self.channel.world - 1
+        with torch.inference_mode():
+            for ch in plan.prefills:
+                if ch.sample:
+                    rows.append(self.channel.recv((1, V), self.dtype, last))
+                    chunks.append(ch)
+            if plan.decodes:
+                rows.append(self.channel.recv((len(plan.decodes), V), self.dtype, last))
+                chunks += plan.decodes
+        self.channel.flush()
+        results = [ChunkResult(ch) for ch in plan.prefills if not ch.sample]
+        if not chunks:
+            return results
+        try:
+            return results + self._sample(chunks, [(torch.cat(rows), None)])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("sampling failed")
+            return results + [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+
+    def close(self) -> None:
+        """Stop the stage processes (idempotent)."""
+        if self.procs:
+            try:
+                self.channel.broadcast(None)
+            except RuntimeError as exc:  # a stage already gone: stop the others anyway
+                log.warning("pipeline stages did not all take the stop: %s", exc)
+            finally:
+                for proc in self.procs:
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                self.procs = []
