@@ -92,3 +92,22 @@ def test_ngram_speculation_on_repetitive_prompts(tiny_model_dir) -> None:
 def test_bad_speculative_flags(kw) -> None:
     with pytest.raises(ConfigError, match="speculative"):
         EngineConfig(**kw)
+
+
+def test_speculation_with_prefix_reuse(small_model_dir) -> None:
+    """Requests resumed from prefix images (a shared prefix, resent) speculate as cold ones: the serial
+    outputs, and every page back in the pool once the images are dropped."""
+    base = spec_prompts()[2]
+    prompts = [base, base[:48] + [7, 8, 9], base + [11, 12]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    serial = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
+    llm = LLM(str(small_model_dir), speculative_method="ngram", prefix_cache_images=8, **FLAGS)
+    llm.engine.scheduler.proposer = OracleProposer(
+        prompts, [o.token_ids for o in serial], 3, lambda i: i % 4 == 1
+    )
+    for p, want in zip(prompts, serial, strict=True):  # one at a time: later ones resume from images
+        same([want], llm.generate([p], params))
+    assert sum(o.cached_tokens for o in llm.generate(prompts[1:], params)) > 0
+    llm.engine.clear_prefix_cache()
+    s = llm.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"] and s["spec_accepted_tokens"] > 0
