@@ -162,17 +162,39 @@ class StageWorker(ModelRunner):
         self.channel = channel
         self.nH = model.cfg.hc_hidden
 
-    def _stream_in(self, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    # NOTE: every stage sends every item (a prefill chunk, the decode batch) on, a status first, so the
+    # stages stay in step when one fails (C2): a stage whose forward raised, or whose input came marked
+    # failed, sends "failed" and zeros. The last stage sends each item's status to stage 0, then the
+    # logits of its sampling rows (zeros when failed); stage 0 fails that item's requests only.
+    def _stream_in(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
         r = self.channel.rank
-        return None if r == 0 else self.channel.recv((rows, self.nH), dtype, r - 1)
+        if r == 0:
+            return None, True
+        ok = bool(self.channel.recv((1,), torch.int8, r - 1)[0])
+        return self.channel.recv((rows, self.nH), dtype, r - 1), ok
 
-    def _stream_out(self, x: torch.Tensor, sample_rows: torch.Tensor | None) -> None:
-        """To the next stage; from the last, the logits of the rows that sample, to stage 0."""
-        r = self.channel.rank
-        if r < self.channel.world - 1:
-            self.channel.send(x, r + 1)
-        elif sample_rows is not None:
-            self.channel.send(self.model.logits(x[sample_rows], row_invariant=True), 0)
+    def _item(self, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """Run one item through this stage (forward(x_in) -> streams) and send it on."""
+        r, last = self.channel.rank, self.channel.world - 1
+        x_in, ok = self._stream_in(rows, dtype)
+        x = logits = None
+        if ok:
+            try:
+                x = forward(x_in)
+                if r == last and sample_rows is not None:
+                    logits = self.model.logits(x[sample_rows], row_invariant=True)
+            except Exception:  # noqa: BLE001 - that item's requests only (C2)
+                log.exception("pipeline stage %d: forward failed", r)
+                ok = False
+        status = torch.tensor([int(ok)], dtype=torch.int8)
+        if r < last:
+            self.channel.send(status, r + 1)
+            self.channel.send(x if ok else torch.zeros(rows, self.nH, dtype=dtype), r + 1)
+            return
+        self.channel.send(status, 0)
+        if sample_rows is not None:
+            V = self.model.cfg.vocab_size
+            self.channel.send(logits if ok else torch.zeros(len(sample_rows), V, dtype=dtype), 0)
 
     @torch.inference_mode()
     def run(self, step: StageStep, dtype: torch.dtype) -> None:
@@ -181,17 +203,19 @@ class StageWorker(ModelRunner):
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
             cache = SequenceCache(self.pool, self.states, slot=w.slot, block_table=w.table)
             n = len(w.ids)
-            ids = torch.tensor(w.ids, dtype=torch.long)
-            batch = ForwardBatch(
-                ids, torch.arange(w.start, w.start + n), [SeqChunk(cache, w.start, n)], False
+            ids, pos = torch.tensor(w.ids, dtype=torch.long), torch.arange(w.start, w.start + n)
+            batch = ForwardBatch(ids, pos, [SeqChunk(cache, w.start, n)], False)
+            self._item(
+                lambda x, b=batch: self.model(b, x), n, torch.tensor([n - 1]) if w.sample else None, dtype
             )
-            x = self.model(batch, self._stream_in(n, dtype))
-            self._stream_out(x, torch.tensor([n - 1]) if w.sample else None)
         if step.decode is not None:
             d = step.decode
-            batch = self.decode_batch(d.ids, d.positions, d.slots, d.tables)
-            x = self.model.decode(batch, self._stream_in(len(d.ids), dtype))
-            self._stream_out(x, torch.arange(len(d.ids)))
+            n = len(d.ids)
+
+            def decode(x: torch.Tensor | None) -> torch.Tensor:
+                return self.model.decode(self.decode_batch(d.ids, d.positions, d.slots, d.tables), x)
+
+            self._item(decode, n, torch.arange(n), dtype)
         if self.channel.rank:
             self.channel.flush()
 
@@ -272,18 +296,22 @@ class PipelineRunner(StageWorker):
         step = StageStep(prefills, decode)
         self.channel.broadcast(step)
         self.run(step, self.dtype)
-        rows, chunks = [], []
+        rows, chunks, results = [], [], []
         V, last = self.model.cfg.vocab_size, self.channel.world - 1
+        failed = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
+        items = [([ch], ch.sample) for ch in plan.prefills] + ([(plan.decodes, True)] if plan.decodes else [])
         with torch.inference_mode():
-            for ch in plan.prefills:
-                if ch.sample:
-                    rows.append(self.channel.recv((1, V), self.dtype, last))
-                    chunks.append(ch)
-            if plan.decodes:
-                rows.append(self.channel.recv((len(plan.decodes), V), self.dtype, last))
-                chunks += plan.decodes
+            for item, sample in items:
+                ok = bool(self.channel.recv((1,), torch.int8, last)[0])
+                logits = self.channel.recv((len(item), V), self.dtype, last) if sample else None
+                if not ok:
+                    results += [ChunkResult(ch, error=failed) for ch in item]
+                elif sample:
+                    rows.append(logits)
+                    chunks += item
+                else:
+                    results += [ChunkResult(ch) for ch in item]
         self.channel.flush()
-        results = [ChunkResult(ch) for ch in plan.prefills if not ch.sample]
         if not chunks:
             return results
         try:

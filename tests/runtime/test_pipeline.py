@@ -66,3 +66,30 @@ def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dty
 def test_what_pipelines_do_not_take_yet(small_model_dir, kw, match) -> None:
     with pytest.raises(ConfigError, match=match):
         LLM(str(small_model_dir), **FLAGS | kw)
+
+
+def test_a_failed_forward_fails_its_request_only(small_model_dir, monkeypatch) -> None:
+    """A prefill chunk whose forward raises on stage 0 is passed on marked failed: the other stages stay
+    in step, that request ends with an error, the others get the single-device outputs (C2)."""
+    prompts = _prompts()
+    params = PARAMS[0]
+    want = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
+    split = LLM(str(small_model_dir), pipeline_stages=3, **FLAGS)
+    try:
+        model = split.engine.model
+        real = model.forward
+        bad = prompts[1][16:32]  # that prompt's second chunk
+
+        def forward(batch, x=None):
+            if batch.input_ids.tolist() == bad:
+                raise RuntimeError("injected")
+            return real(batch, x)
+
+        monkeypatch.setattr(model, "forward", forward)
+        got = split.generate(prompts, params)
+        assert got[1].finish_reason == "error" and "pipeline stage" in got[1].error
+        _same([want[i] for i in (0, 2, 3)], [got[i] for i in (0, 2, 3)])
+        s = split.stats()
+        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    finally:
+        split.close()
