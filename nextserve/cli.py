@@ -39,8 +39,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "for now)",
     "speculative_tokens": "most draft tokens per verify window (1..32)",
     "pipeline_stages": "split the layers into this many contiguous ranges, one process each, activations "
-    "passed stage to stage bit for bit (CPU backend over Gloo for now; no prefix cache or speculation "
-    "with it yet)",
+    "passed stage to stage bit for bit (CPU backend over Gloo for now; not with the host image store or "
+    "speculation yet)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "
     "the previous one's end (sm_90+ GPUs; same outputs either way; --no-pdl turns it off)",
 }

@@ -131,8 +131,8 @@ class LLMEngine:
             raise ConfigError("pipeline stages load their own layers' weights from --model")
         if self.device.type != "cpu":
             raise ConfigError("pipeline stages run on the CPU backend (Gloo) only for now")
-        if c.prefix_cache_images or c.host_state_slots or c.speculative_method != "off":
-            raise ConfigError("pipeline stages do not run with the prefix cache or speculation yet")
+        if c.host_state_slots or c.speculative_method != "off":
+            raise ConfigError("pipeline stages do not run with the host image store or speculation yet")
         if c.pipeline_stages > L:
             raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
         return stage_layers(L, c.pipeline_stages)

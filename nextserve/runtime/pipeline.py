@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,8 +90,56 @@ class DecodeWork:
 
 @dataclass(frozen=True)
 class StageStep:
+    ops: list[tuple]  # the driver's cache operations since the last step (StageMirror), in order
     prefills: list[PrefillWork]
     decode: DecodeWork | None
+
+
+class _StateCopy(dict):
+    """A copy of a slot's state (a prefix image's `state`) with the key the stages file theirs under."""
+
+    key: int
+
+
+class StageMirror:
+    """Records what the driver does to its own planes outside a forward, which every other stage repeats
+    on its planes before the next step's batches: page copies (copy-on-write) and prefix images' slot
+    states, taken (`save`), restored (`load`) and dropped once the driver's copy is gone (`drop`)."""
+
+    def __init__(self, pool: KVPool, slots: StateSlots) -> None:
+        self.ops: list[tuple] = []
+        self._keys = 0
+        copy_page, copy_out, copy_in = pool.copy_page, slots.copy_out, slots.copy_in
+
+        def mirrored_copy_page(src: int, dst: int) -> None:
+            copy_page(src, dst)
+            self.ops.append(("copy_page", src, dst))
+
+        def mirrored_copy_out(slot: int) -> _StateCopy:
+            state = _StateCopy(copy_out(slot))
+            state.key, self._keys = self._keys, self._keys + 1
+            self.ops.append(("save", state.key, slot))
+            weakref.finalize(state, self._drop, state.key)  # not self.ops.append: `take` swaps the list
+            return state
+
+        def mirrored_copy_in(slot: int, tensors: dict[str, torch.Tensor]) -> None:
+            if not isinstance(tensors, _StateCopy):
+                raise RuntimeError("a state slot restored from a copy the pipeline stages do not hold")
+            copy_in(slot, tensors)
+            self.ops.append(("load", tensors.key, slot))
+
+        pool.copy_page, slots.copy_out, slots.copy_in = (
+            mirrored_copy_page,
+            mirrored_copy_out,
+            mirrored_copy_in,
+        )
+
+    def _drop(self, key: int) -> None:
+        self.ops.append(("drop", key))
+
+    def take(self) -> list[tuple]:
+        ops, self.ops = self.ops, []
+        return ops
 
 
 def build_stage(
@@ -161,6 +210,21 @@ class StageWorker(ModelRunner):
         super().__init__(model, torch.device("cpu"), pool, slots)
         self.channel = channel
         self.nH = model.cfg.hc_hidden
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}  # this stage's prefix-image slot states
+
+    def _apply(self, ops: list[tuple]) -> None:
+        """Repeat the driver's cache operations on this stage's planes (stage 0 did them itself)."""
+        for op, *args in ops:
+            if op == "copy_page":
+                self.pool.copy_page(*args)
+            elif op == "save":
+                key, slot = args
+                self.saved[key] = self.states.copy_out(slot)
+            elif op == "load":
+                key, slot = args
+                self.states.copy_in(slot, self.saved[key])
+            else:  # drop
+                self.saved.pop(args[0], None)
 
     # NOTE: every stage sends every item (a prefill chunk, the decode batch) on, a status first, so the
     # stages stay in step when one fails (C2): a stage whose forward raised, or whose input came marked
@@ -198,6 +262,8 @@ class StageWorker(ModelRunner):
 
     @torch.inference_mode()
     def run(self, step: StageStep, dtype: torch.dtype) -> None:
+        if self.channel.rank:
+            self._apply(step.ops)
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
@@ -278,6 +344,7 @@ class PipelineRunner(StageWorker):
             proc.stdin.close()
             self.procs.append(proc)
         super().__init__(model, pool, slots, StageChannel(0, len(stages), port))
+        self.mirror = StageMirror(pool, slots)
         self.channel.broadcast(None)  # every stage is built
         self.dtype = dtype
 
@@ -293,7 +360,7 @@ class PipelineRunner(StageWorker):
         if plan.decodes:
             ids, positions, slots, tables = self.decode_inputs(plan.decodes)
             decode = DecodeWork(ids, positions, slots, [list(t) for t in tables])
-        step = StageStep(prefills, decode)
+        step = StageStep(self.mirror.take(), prefills, decode)
         self.channel.broadcast(step)
         self.run(step, self.dtype)
         rows, chunks, results = [], [], []

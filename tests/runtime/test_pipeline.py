@@ -59,7 +59,7 @@ def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dty
     [
         ({"pipeline_stages": 0}, "pipeline_stages"),
         ({"pipeline_stages": 9}, "exceeds"),
-        ({"pipeline_stages": 2, "prefix_cache_images": 2}, "prefix cache"),
+        ({"pipeline_stages": 2, "prefix_cache_images": 2, "host_state_slots": 2}, "host image store"),
         ({"pipeline_stages": 2, "speculative_method": "ngram"}, "speculation"),
     ],
 )
@@ -89,6 +89,28 @@ def test_a_failed_forward_fails_its_request_only(small_model_dir, monkeypatch) -
         got = split.generate(prompts, params)
         assert got[1].finish_reason == "error" and "pipeline stage" in got[1].error
         _same([want[i] for i in (0, 2, 3)], [got[i] for i in (0, 2, 3)])
+        s = split.stats()
+        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize("images", [8, 1])
+def test_prefix_reuse_through_stages(small_model_dir, images: int) -> None:
+    """Requests resumed from prefix images (every stage restores its own part of the slot state; shared
+    pages are copied on write in every stage) give the single-device outputs; with one image kept,
+    images are dropped and replaced as requests come."""
+    base = _prompts()[2]
+    prompts = [base, base[:48] + [7, 8, 9], base + [11, 12], base[:33], base]
+    params = PARAMS[0]
+    want = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
+    split = LLM(str(small_model_dir), pipeline_stages=3, prefix_cache_images=images, **FLAGS)
+    try:
+        got = [split.generate([p], params)[0] for p in prompts]  # one at a time: later ones resume
+        _same(want, got)
+        assert sum(o.cached_tokens for o in got) > 0
+        split.engine.clear_prefix_cache()
+        assert {op[0] for op in split.engine.runner.mirror.ops} == {"drop"}  # sent with the next step
         s = split.stats()
         assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
     finally:
