@@ -13,21 +13,17 @@ in flight: every stage runs each step's prefill chunk and decode batch in turn.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
@@ -38,9 +34,10 @@ from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from .runner import ChunkResult, ModelRunner, _describe
+from .stage_channel import StageChannel, free_port
+from .stage_mirror import StageMirror
 
 log = logging.getLogger("nextserve.pipeline")
-TIMEOUT = datetime.timedelta(seconds=600)  # a stage that stops answering fails the step, not forever
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -95,53 +92,6 @@ class StageStep:
     decode: DecodeWork | None
 
 
-class _StateCopy(dict):
-    """A copy of a slot's state (a prefix image's `state`) with the key the stages file theirs under."""
-
-    key: int
-
-
-class StageMirror:
-    """Records what the driver does to its own planes outside a forward, which every other stage repeats
-    on its planes before the next step's batches: page copies (copy-on-write) and prefix images' slot
-    states, taken (`save`), restored (`load`) and dropped once the driver's copy is gone (`drop`)."""
-
-    def __init__(self, pool: KVPool, slots: StateSlots) -> None:
-        self.ops: list[tuple] = []
-        self._keys = 0
-        copy_page, copy_out, copy_in = pool.copy_page, slots.copy_out, slots.copy_in
-
-        def mirrored_copy_page(src: int, dst: int) -> None:
-            copy_page(src, dst)
-            self.ops.append(("copy_page", src, dst))
-
-        def mirrored_copy_out(slot: int) -> _StateCopy:
-            state = _StateCopy(copy_out(slot))
-            state.key, self._keys = self._keys, self._keys + 1
-            self.ops.append(("save", state.key, slot))
-            weakref.finalize(state, self._drop, state.key)  # not self.ops.append: `take` swaps the list
-            return state
-
-        def mirrored_copy_in(slot: int, tensors: dict[str, torch.Tensor]) -> None:
-            if not isinstance(tensors, _StateCopy):
-                raise RuntimeError("a state slot restored from a copy the pipeline stages do not hold")
-            copy_in(slot, tensors)
-            self.ops.append(("load", tensors.key, slot))
-
-        pool.copy_page, slots.copy_out, slots.copy_in = (
-            mirrored_copy_page,
-            mirrored_copy_out,
-            mirrored_copy_in,
-        )
-
-    def _drop(self, key: int) -> None:
-        self.ops.append(("drop", key))
-
-    def take(self) -> list[tuple]:
-        ops, self.ops = self.ops, []
-        return ops
-
-
 def build_stage(
     model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
     page_size: int, device: torch.device | str = "cpu",
@@ -159,48 +109,6 @@ def build_stage(
     slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds)
     pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
     return model, pool, slots
-
-
-class StageChannel:
-    """Point-to-point and broadcast traffic of one stage over its own Gloo group (no global state)."""
-
-    def __init__(self, rank: int, world: int, port: int) -> None:
-        self.rank, self.world = rank, world
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
-        self.group = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
-        self._from_stage0 = dist.BroadcastOptions()
-        self._from_stage0.rootRank = 0
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Starts sending t; `flush` waits for every send started.
-
-        # NOTE: not waited for here: stage 0 sends a decode batch to stage 1 while the last stage sends
-        # it the logits of the step's prefill chunk, and two blocking sends would wait on each other."""
-        data = t.contiguous().view(torch.uint8).flatten()
-        self.pending.append((self.group.send([data], dst, 0), data))
-
-    def flush(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
-        self.group.recv([buf.view(torch.uint8).flatten()], src, 0).wait()
-        return buf
-
-    def broadcast(self, obj: object) -> object:
-        """obj from stage 0 to every stage (the others pass None)."""
-        size = torch.zeros(1, dtype=torch.long)
-        data = pickle.dumps(obj) if self.rank == 0 else b""
-        size[0] = len(data)
-        self.group.broadcast([size], self._from_stage0).wait()
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
-        if buf is None:
-            buf = torch.empty(int(size[0]), dtype=torch.uint8)
-        self.group.broadcast([buf], self._from_stage0).wait()
-        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
 
 class StageWorker(ModelRunner):
@@ -311,12 +219,6 @@ def stage_main(setup: StageSetup) -> None:
     channel.broadcast(None)  # ready
     while (step := channel.broadcast(None)) is not None:
         worker.run(step, setup.dtype)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PipelineRunner(StageWorker):

@@ -1,0 +1,62 @@
+"""Traffic between pipeline stages: a standalone Gloo group per stage (no global process group, so
+several engines can live in one process), tensors sent as raw bytes (bit for bit), step messages
+broadcast from stage 0."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import socket
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(seconds=600)  # a stage that stops answering fails the step, not forever
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StageChannel:
+    """Point-to-point and broadcast traffic of one stage over its own Gloo group (no global state)."""
+
+    def __init__(self, rank: int, world: int, port: int) -> None:
+        self.rank, self.world = rank, world
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+        self.group = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+        self._from_stage0 = dist.BroadcastOptions()
+        self._from_stage0.rootRank = 0
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Starts sending t; `flush` waits for every send started.
+
+        # NOTE: not waited for here: stage 0 sends a decode batch to stage 1 while the last stage sends
+        # it the logits of the step's prefill chunk, and two blocking sends would wait on each other."""
+        data = t.contiguous().view(torch.uint8).flatten()
+        self.pending.append((self.group.send([data], dst, 0), data))
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype)
+        self.group.recv([buf.view(torch.uint8).flatten()], src, 0).wait()
+        return buf
+
+    def broadcast(self, obj: object) -> object:
+        """obj from stage 0 to every stage (the others pass None)."""
+        size = torch.zeros(1, dtype=torch.long)
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size[0] = len(data)
+        self.group.broadcast([size], self._from_stage0).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
+        if buf is None:
+            buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.group.broadcast([buf], self._from_stage0).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
