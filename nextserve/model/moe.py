@@ -42,18 +42,37 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = SharedExpert(cfg)
         self.shared_expert_gate = Weight(1, cfg.hidden_size)
-        self.in_proj: torch.Tensor | None = None  # router|shared gate|shared up|shared-expert gate
+        self.in_proj: torch.Tensor | None = None  # router|shared-expert gate|shared gate|shared up
 
     def _parts(self) -> tuple[Weight, ...]:
         se = self.shared_expert
-        return (self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate)
+        return (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
 
     def fuse(self) -> None:
         self.in_proj = fuse_rows(*self._parts())
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
-        router, g, up, sg = project(u, self._parts(), self.in_proj, ri)
+        if ri:
+            return self._decode(u)
+        router, sg, g, up = project(u, self._parts(), self.in_proj, ri)
         shared = self.shared_expert(u, ri, (g, up))
         w, ids = route(router, self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up_proj, self.experts.down_proj, ri)
         return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared
+
+    def _decode(self, u: torch.Tensor) -> torch.Tensor:
+        """Row-invariant rows (decode, verify windows): the shared expert runs as one more routed expert
+        (id E, weight sigmoid(sg), added last: the same roundings as sigmoid_gate), so its projections
+        ride the grouped expert kernels instead of a GEMV, an activation and a gate of their own."""
+        E, se = self.gate.weight.shape[0], self.shared_expert
+        if self.in_proj is not None:  # views of the stack: router|sg rows, then shared gate|up rows
+            logits = linear(u, self.in_proj[: E + 1], True)
+            shared_gate_up = self.in_proj[E + 1 :]
+        else:
+            logits = torch.cat(
+                [linear(u, self.gate.weight, True), linear(u, self.shared_expert_gate.weight, True)], 1
+            )
+            shared_gate_up = torch.cat([se.gate_proj.weight, se.up_proj.weight])
+        w, ids = route(logits, self.top_k, self.norm_topk, True, shared=True)  # [T, k + 1]
+        ex = self.experts
+        return experts(u, w, ids, ex.gate_up_proj, ex.down_proj, True, (shared_gate_up, se.down_proj.weight))

@@ -8,6 +8,7 @@
 import torch
 import torch.nn.functional as F
 
+from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
 
@@ -23,6 +24,34 @@ def scaled_silu(v: torch.Tensor, n: int, row_invariant: bool = False) -> torch.T
 
         return triton_scaled_silu(v, n)
     return rowwise(F.silu, v / n, row_invariant)
+
+
+def down_silu(
+    xn: torch.Tensor, weight: torch.Tensor, rank: int, n: int, row_invariant: bool = False
+) -> torch.Tensor:
+    """xn [T, K] @ weight[N, K]^T with silu(y / n) on its first `rank` columns: the mixer's low-rank
+    activation next to the injection logits of the same projection (one GEMV launch on CUDA in
+    row-invariant mode, with scaled_silu's roundings)."""
+    if row_invariant and _triton_ok(xn, weight):
+        from .triton.gemv import small_m_linear
+
+        return small_m_linear(xn, weight, silu_cols=rank, silu_scale=1.0 / n)
+    y = linear(xn, weight, row_invariant)
+    if rank >= y.shape[-1]:
+        return scaled_silu(y, n, row_invariant)
+    return torch.cat([scaled_silu(y[:, :rank], n, row_invariant), y[:, rank:]], dim=-1)
+
+
+def mix_up(
+    a: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, n: int, hidden: int, row_invariant: bool = False
+) -> torch.Tensor:
+    """Block input u [T, H] = mix_streams(a @ w_up^T, xn): the up projection of the low-rank activation
+    a [T, r], then the stream mix (one launch on CUDA in row-invariant mode)."""
+    if row_invariant and _triton_ok(a, w_up, xn):
+        from .triton.hyper import triton_up_mix
+
+        return triton_up_mix(a, w_up, xn, n, hidden)
+    return mix_streams(linear(a, w_up, row_invariant), xn, n, hidden, row_invariant)
 
 
 def mix_streams(

@@ -9,12 +9,15 @@ from .triton import use_kernel
 
 
 def route(
-    logits: torch.Tensor, top_k: int, normalize: bool, row_invariant: bool = False
+    logits: torch.Tensor, top_k: int, normalize: bool, row_invariant: bool = False, shared: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (model dtype) -> (weights [T, k] model dtype, expert ids [T, k] int64).
 
     The k largest softmax probabilities (float32) in descending order, ties to the lower expert index
     (torch.topk leaves the order of ties to the implementation), divided by their sum if `normalize`.
+    With `shared`, logits [T, E + 1] end with the shared expert's gate logit, and the result gets a
+    (k+1)-th column: id E, weight sigmoid(logit) in the model dtype (the shared expert as one more
+    expert, the last in ascending id order: `experts(..., shared=...)`).
 
     # NOTE: on CUDA (bf16/fp16/fp32) this is one Triton launch (ops/triton/route.py), row-invariant by
     # construction and free of host reads; the code below (a stable descending sort, the first k) is its
@@ -23,13 +26,19 @@ def route(
     if use_kernel(logits):
         from .triton.route import triton_route
 
-        return triton_route(logits, top_k, normalize)
-    probs = rowwise(lambda t: torch.softmax(t, dim=-1, dtype=torch.float), logits, row_invariant)
+        return triton_route(logits, top_k, normalize, shared)
+    routed = logits[..., :-1] if shared else logits
+    probs = rowwise(lambda t: torch.softmax(t, dim=-1, dtype=torch.float), routed, row_invariant)
     top_i = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :top_k].contiguous()
     top_w = probs.gather(-1, top_i)
     if normalize:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return top_w.to(logits.dtype), top_i
+    top_w = top_w.to(logits.dtype)
+    if not shared:
+        return top_w, top_i
+    E = routed.shape[-1]
+    gate = rowwise(torch.sigmoid, logits[..., -1:], row_invariant)  # [T, 1] model dtype
+    return torch.cat([top_w, gate], dim=-1), torch.cat([top_i, torch.full_like(top_i[..., :1], E)], dim=-1)
 
 
 def experts(
@@ -39,8 +48,11 @@ def experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     row_invariant: bool,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]. Returns sum_k w_k * y_{e_k}.
+    `shared` = (gate_up [2I, H], down [H, I]) of one more expert, id E (the shared expert, whose weight
+    `route(..., shared=True)` gives): added last, as sigmoid_gate(shared, gate, routed) adds it.
 
     # NOTE: contributions are added in ascending expert order, one expert at a time, as the
     # reference model does; in row-invariant mode each row's projections are calls of their own.
@@ -55,37 +67,44 @@ def experts(
         if use_kernel(x):
             from .triton.moe_grouped import grouped_decode_experts
 
-            return grouped_decode_experts(x, weights, ids, gate_up, down)
-        return _experts_by_row(x, weights, ids, gate_up, down)
+            return grouped_decode_experts(x, weights, ids, gate_up, down, shared=shared)
+        return _experts_by_row(x, weights, ids, gate_up, down, shared)
     if use_kernel(x):
         from .triton.moe_grouped import grouped_experts
 
-        return grouped_experts(x, weights, ids, gate_up, down)
-    return _experts_by_expert(x, weights, ids, gate_up, down)
+        return grouped_experts(x, weights, ids, gate_up, down, shared=shared)
+    return _experts_by_expert(x, weights, ids, gate_up, down, shared)
 
 
-def _experts_by_expert(x, weights, ids, gate_up, down) -> torch.Tensor:
+def _expert(gate_up, down, shared, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's (gate_up [2I, H], down [H, I]); e == E is the shared expert."""
+    return shared if shared is not None and e == gate_up.shape[0] else (gate_up[e], down[e])
+
+
+def _experts_by_expert(x, weights, ids, gate_up, down, shared=None) -> torch.Tensor:
     """Grouped experts, one expert at a time in ascending id (a host sync an expert): the CPU path, and
     the reference of the CUDA grouped GEMM."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
-        h = linear(x[tok], gate_up[e], False)
+        gu, dn = _expert(gate_up, down, shared, e)
+        h = linear(x[tok], gu, False)
         g, u = h.chunk(2, dim=-1)
-        y = linear(rowwise(F.silu, g, False) * u, down[e], False)
+        y = linear(rowwise(F.silu, g, False) * u, dn, False)
         out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
     return out
 
 
-def _experts_by_row(x, weights, ids, gate_up, down) -> torch.Tensor:
+def _experts_by_row(x, weights, ids, gate_up, down, shared=None) -> torch.Tensor:
     """Row-invariant experts: each row on its own, its experts in ascending order, so a row's bits are
     those of the grouped path with one row. One host read of the routing, no per-expert syncs."""
     rows = []
     for r, row_ids in enumerate(ids.tolist()):
         xr, acc = x[r : r + 1], torch.zeros_like(x[r : r + 1])
         for slot, e in sorted(enumerate(row_ids), key=lambda pair: pair[1]):
-            g, u = linear(xr, gate_up[e], True).chunk(2, dim=-1)
-            y = linear(rowwise(F.silu, g, True) * u, down[e], True)
+            gu, dn = _expert(gate_up, down, shared, e)
+            g, u = linear(xr, gu, True).chunk(2, dim=-1)
+            y = linear(rowwise(F.silu, g, True) * u, dn, True)
             acc = acc + (y * weights[r : r + 1, slot, None]).to(acc.dtype)
         rows.append(acc)
     return torch.cat(rows)

@@ -6,13 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interp import row_independent_dot  # noqa: F401
 
 from nextserve.model.hyper import GatedResidual
-from nextserve.ops.hyper import inject, mix_streams, scaled_silu
+from nextserve.ops.hyper import down_silu, inject, mix_streams, mix_up, scaled_silu
 from nextserve.ops.linear import linear
 from nextserve.ops.norms import rms_norm
 from nextserve.ops.pointwise import rowwise
-from nextserve.ops.triton.hyper import triton_inject, triton_mix_streams, triton_scaled_silu
+from nextserve.ops.triton.hyper import triton_inject, triton_mix_streams, triton_scaled_silu, triton_up_mix
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -117,6 +118,38 @@ def test_inject(nh, dtype: torch.dtype, from_logits: bool) -> None:
     _rows_invariant(lambda a, b, c: triton_inject(a, b, c, n, from_logits=from_logits), x, y, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("nhr", [(N, H, R), (3, 40, 300)])  # r over several K tiles, the last partial
+@pytest.mark.usefixtures("row_independent_dot")
+def test_up_mix(nhr, dtype: torch.dtype) -> None:
+    """The up projection fused with the stream mix: close to the two ops, rows invariant, a strided
+    activation (the down projection's first columns) read in place."""
+    n, h, r = nhr
+    g = _gen(n * h + r)
+    a = torch.randn(20, r, generator=g).to(dtype)
+    w = (torch.randn(n * h, r, generator=g) / r**0.5).to(dtype)
+    _, xn, _, _ = _inputs(20, n, h, dtype, seed=4)
+    got = triton_up_mix(a, w, xn, n, h)
+    _close(got, mix_streams(linear(a, w, True), xn, n, h, True), dtype, scale=2.0)
+    _rows_invariant(lambda p, q: triton_up_mix(p, w, q, n, h), a, xn)
+    wide = torch.cat([a, a[:, :3]], dim=-1)[:, :r]  # row stride r + 3
+    assert torch.equal(triton_up_mix(wide, w, xn, n, h), got)
+
+
+def test_down_silu_reference() -> None:
+    """The CPU path: silu(y / n) on the first `rank` columns, the rest as projected."""
+    x = torch.randn(3, 16, generator=_gen(5))
+    w = torch.randn(10, 16, generator=_gen(6))
+    y = linear(x, w, True)
+    got = down_silu(x, w, 6, N, True)
+    assert torch.equal(got[:, :6], scaled_silu(y[:, :6], N, True)) and torch.equal(got[:, 6:], y[:, 6:])
+    assert torch.equal(down_silu(x, w, 10, N, True), scaled_silu(y, N, True))
+    w_up, xn = torch.randn(8, 6, generator=_gen(7)), torch.randn(3, 8, generator=_gen(8))
+    assert torch.equal(
+        mix_up(got[:, :6], w_up, xn, 4, 2, True), mix_streams(linear(got[:, :6], w_up, True), xn, 4, 2)
+    )
+
+
 def test_strided_inputs() -> None:
     """Row-strided views (as a fused projection's split gives) read the same as contiguous copies."""
     logits, xn, y, v = _inputs(5, N, H, torch.float32, seed=2)
@@ -141,6 +174,16 @@ def test_cuda_kernels(dtype: torch.dtype) -> None:
     _rows_invariant(lambda t: scaled_silu(t, n, True), a)
     _rows_invariant(lambda p, q: mix_streams(p, q, n, h, True), x, xn)
     _rows_invariant(lambda p, q, r: inject(p, q, r, n, True), x, y, v)
+    # the fused decode ops give the bits of the launches they replace
+    w_down = (torch.randn(324, n * h, generator=_gen(8)) / (n * h) ** 0.5).to(dtype).cuda()
+    w_up = (torch.randn(n * h, 320, generator=_gen(9)) / 320**0.5).to(dtype).cuda()
+    down = linear(xn, w_down, True)
+    fused = down_silu(xn, w_down, 320, n, True)
+    assert torch.equal(fused[:, 320:], down[:, 320:])
+    assert torch.equal(fused[:, :320], scaled_silu(down[:, :320], n, True))
+    u = mix_up(fused[:, :320], w_up, xn, n, h, True)
+    assert torch.equal(u, mix_streams(linear(fused[:, :320], w_up, True), xn, n, h, True))
+    _rows_invariant(lambda p, q: mix_up(p, w_up, q, n, h, True), a, xn)
 
 
 @gpu

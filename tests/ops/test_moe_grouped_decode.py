@@ -56,6 +56,31 @@ def test_block_sizes(blocks) -> None:
 
 
 @small
+@pytest.mark.parametrize("M,k", [(1, 2), (5, 3), (20, 2)])
+@pytest.mark.usefixtures("row_independent_dot")
+def test_shared_expert_as_expert_e(M: int, k: int) -> None:
+    """The shared expert as id E (its own weights, added last): the kernels equal the reference, which
+    equals routed experts + sigmoid-gated shared expert (sigmoid_gate's roundings); rows invariant."""
+    from nextserve.ops.pointwise import sigmoid_gate, silu_mul
+
+    x, w, ids, gu, dn = moe_problem(M, 64, 8, k, 32, torch.float32, seed=M + k)
+    sg_w = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)).to(x)
+    sgu, sdn = gu[0] * 0.7, dn[0] * 1.3  # [2I, H], [H, I]
+    gate = torch.sigmoid(x @ sg_w.t())  # [M, 1]
+    w1, ids1 = torch.cat([w, gate], 1), torch.cat([ids, torch.full_like(ids[:, :1], 8)], 1)
+    out = grouped_decode_experts(x, w1, ids1, gu, dn, shared=(sgu, sdn), **TINY_BLOCKS)
+    ref = _experts_by_row(x, w1, ids1, gu, dn, (sgu, sdn))
+    assert rel_err(out, ref) < 1e-5
+    g, u = (x @ sgu.t()).chunk(2, dim=-1)
+    composed = sigmoid_gate(silu_mul(g, u) @ sdn.t(), x @ sg_w.t(), _experts_by_row(x, w, ids, gu, dn))
+    assert rel_err(ref, composed) < 1e-5
+    for i in range(M):
+        one = grouped_decode_experts(x[i : i + 1], w1[i : i + 1], ids1[i : i + 1], gu, dn, shared=(sgu, sdn),
+                                     **TINY_BLOCKS)  # fmt: skip
+        assert torch.equal(one[0], out[i]), i
+
+
+@small
 @pytest.mark.parametrize("M,E,k", [(1, 8, 2), (5, 8, 3), (23, 6, 3), (40, 4, 2), (3, 512, 10)])
 def test_plan(M, E, k) -> None:
     """order is the stable sort of the pairs by expert id; the blocks cut each expert's run of sorted
@@ -234,6 +259,28 @@ def test_bf16_matches_reference(real_weights, real_rows, rows: int) -> None:
     assert rel_err(out, exact) < 1.5 * rel_err(ref, exact) + 1e-3
     assert rel_err(out, routed_experts(x, w, ids, gu, dn)) < 1e-2
     assert torch.equal(grouped_decode_experts(x, w, ids, gu, dn), out)  # deterministic
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_bf16_shared_expert_as_expert_e(real_weights, real_rows, rows: int) -> None:
+    """The MoE decode path (shared expert = id E, weight sigmoid(gate)) against the reference, rows
+    alone against the batch."""
+    gu, dn = real_weights
+    x, w, ids = (t[:rows] for t in real_rows)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sgu = (torch.randn(2 * REAL["I"], REAL["H"], device="cuda", generator=g) / REAL["H"] ** 0.5).bfloat16()
+    sdn = (torch.randn(REAL["H"], REAL["I"], device="cuda", generator=g) / REAL["I"] ** 0.5).bfloat16()
+    gate = torch.rand(rows, 1, device="cuda", generator=g).bfloat16()
+    w1 = torch.cat([w, gate], 1)
+    ids1 = torch.cat([ids, torch.full_like(ids[:, :1], REAL["E"])], 1)
+    out = grouped_decode_experts(x, w1, ids1, gu, dn, shared=(sgu, sdn))
+    assert rel_err(out, _experts_by_row(x, w1, ids1, gu, dn, (sgu, sdn))) < 1e-2
+    for i in {0, rows // 2, rows - 1}:
+        one = grouped_decode_experts(x[i : i + 1].clone(), w1[i : i + 1].clone(), ids1[i : i + 1].clone(), gu,
+                                     dn, shared=(sgu, sdn))  # fmt: skip
+        assert torch.equal(one[0], out[i]), i
 
 
 @pytest.mark.gpu

@@ -71,6 +71,26 @@ def test_ties_go_to_the_lower_index(size) -> None:
         assert torch.all(w[0] == w[0, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("size", SIZES)
+def test_shared_expert_column(size, dtype: torch.dtype) -> None:
+    """With shared=True the last logit is the shared expert's gate: the top-k of the others as without
+    it, then (id E, sigmoid(gate)); the kernel equals the CPU path and its rows are invariant."""
+    E, k = size
+    logits = _logits(6, E + 1, dtype, seed=E)
+    w, ids = triton_route(logits, k, True, shared=True)
+    ref_w, ref_ids = route(logits, k, True, shared=True)
+    assert w.shape == ids.shape == (6, k + 1) and torch.equal(ids, ref_ids)
+    assert torch.equal(ids[:, k], torch.full((6,), E)) and torch.equal(
+        ids[:, :k], route(logits[:, :E], k, True)[1]
+    )
+    rel = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(w.float(), ref_w.float(), rtol=rel, atol=1e-6)
+    assert torch.equal(w[:, :k], triton_route(logits[:, :E].contiguous(), k, True)[0])
+    alone = triton_route(logits[3:4].clone(), k, True, shared=True)
+    assert torch.equal(alone[0][0], w[3]) and torch.equal(alone[1][0], ids[3])
+
+
 def test_strided_rows() -> None:
     """The router's logits are a column slice of a fused projection: rows are strided."""
     fused = _logits(3, 8 + 5, torch.float32, seed=3)
@@ -106,6 +126,13 @@ def test_cuda_route(T: int, dtype: torch.dtype) -> None:
         rel = 1e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(w.float().cpu(), ref_w.float(), rtol=rel, atol=1e-6)
     _rows_invariant(x, 10, True, rows=range(min(T, 40)))
+    xs = torch.cat([x, x[:, :1] * 0.5], dim=1)  # the shared expert's gate logit last
+    sw, sids = route(xs, 10, True, True, shared=True)
+    ref_w, ref_ids = route(xs.cpu(), 10, True, True, shared=True)
+    assert torch.equal(sids.cpu(), ref_ids) and torch.equal(sw[:, :10], route(x, 10, True, True)[0])
+    torch.testing.assert_close(
+        sw.float().cpu(), ref_w.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6
+    )
     if T > 1:
         full = triton_route(x, 10, True)
         for m in (1, 2, 5, 16, 17, 33):

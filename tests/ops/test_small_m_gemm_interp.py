@@ -90,3 +90,22 @@ def test_one_launch_reduction_gives_the_two_launch_bits(dtype: torch.dtype, N: i
     assert torch.equal(one, two)
     assert torch.equal(small_m_linear(x, w, splits=splits), one)  # the counters were reset
     assert int(_counters(x.device).abs().sum()) == 0
+
+
+@small
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "N,K,splits,one_launch", [(12, 2048, None, True), (12, 2048, None, False), (40, 300, 1, True)]
+)
+def test_silu_epilogue_gives_the_separate_activation_bits(
+    dtype, N: int, K: int, splits, one_launch: bool
+) -> None:
+    """silu(y / n) on the first columns inside the GEMV (the hyper-connections' down projection) equals
+    the GEMV followed by the scaled_silu kernel on those columns, in every reduction path."""
+    from nextserve.ops.triton.hyper import triton_scaled_silu
+
+    x, w = _problem(5, N, K, dtype, seed=13)
+    plain = small_m_linear(x, w, splits=splits, one_launch=one_launch)
+    fused = small_m_linear(x, w, splits=splits, one_launch=one_launch, silu_cols=8, silu_scale=0.25)
+    assert torch.equal(fused[:, 8:], plain[:, 8:])
+    assert torch.equal(fused[:, :8], triton_scaled_silu(plain[:, :8], 4))

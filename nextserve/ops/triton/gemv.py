@@ -117,11 +117,13 @@ def _small_m_gemm(
     stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
     partial to ws[split, rows, cols] (a [S, M, N] workspace), and with FIXUP the tile's last program adds
-    the partials in split order into out; else round and store to out[rows, cols]."""
+    the partials in split order into out; else round and store to out[rows, cols]. Columns below SILU_COLS
+    are stored as silu(y * silu_scale) instead (`_epilogue`)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -163,22 +165,39 @@ def _small_m_gemm(
                     tot += tl.load(
                         ws_ptr + s * MN + offs, mask=mask_m & mask_n, other=0.0, cache_modifier=".cg"
                     )
-                tl.store(out_ptr + offs, tot.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+                y = _epilogue(tot, rn[None, :], out_ptr.dtype.element_ty, SILU_COLS, silu_scale)
+                tl.store(out_ptr + offs, y, mask=mask_m & mask_n)
                 tl.atomic_xchg(cnt_ptr + pid, 0)
     else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+        y = _epilogue(acc, rn[None, :], out_ptr.dtype.element_ty, SILU_COLS, silu_scale)
+        tl.store(out_ptr + offs, y, mask=mask_m & mask_n)
+
+
+@triton.jit
+def _epilogue(acc, cols, ty: tl.constexpr, SILU_COLS: tl.constexpr, silu_scale):
+    """acc (float32) rounded to ty; columns below SILU_COLS then silu(y * silu_scale), each op rounded
+    to ty as ops/hyper.scaled_silu does on the stored y (the same bits as that second launch)."""
+    y = acc.to(ty)
+    if SILU_COLS > 0:
+        v = (y.to(tl.float32) * silu_scale).to(ty).to(tl.float32)
+        y = tl.where(cols < SILU_COLS, (v / (1.0 + tl.exp(-v))).to(ty), y)
+    return y
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _sum_splits(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y[i] = ((ws[0, i] + ws[1, i]) + ws[2, i]) + ... in float32, rounded once to y's dtype."""
+def _sum_splits(
+    ws_ptr, y_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
+):  # fmt: skip
+    """y[i] = ((ws[0, i] + ws[1, i]) + ws[2, i]) + ... in float32, rounded once to y's dtype (and the
+    columns below SILU_COLS through `_epilogue`)."""
     pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):  # unrolled: all loads in flight, the adds in split order
         acc += tl.load(ws_ptr + s * MN.to(tl.int64) + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, _epilogue(acc, offs % N, y_ptr.dtype.element_ty, SILU_COLS, silu_scale), mask=mask)
 
 
 def small_m_linear(
@@ -192,13 +211,17 @@ def small_m_linear(
     num_stages: int | None = None,
     block_m: int | None = None,
     one_launch: bool = True,
+    silu_cols: int = 0,
+    silu_scale: float = 1.0,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
     capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
     (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
     `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` overrides
     the rows per program (16, or 32 when M > 16) for the benchmark's check that both give the same bits;
-    `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark)."""
+    `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark).
+    `silu_cols` > 0: output columns below it are silu(y * silu_scale), rounded as `scaled_silu` rounds
+    (the hyper-connections' down projection and its activation in one launch; the same bits)."""
     x = x.contiguous()
     weight = weight.contiguous()
     M, K = x.shape
@@ -224,10 +247,12 @@ def small_m_linear(
     _small_m_gemm[grid](
         x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
-        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        PDL=pdl, SILU_COLS=silu_cols, silu_scale=silu_scale, num_warps=warps, num_stages=stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     if s > 1 and not fixup:
         _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-            ws, y, M * N, SPLITS=s, BLOCK=REDUCE_BLOCK, PDL=pdl, launch_pdl=pdl
-        )
+            ws, y, M * N, N, SPLITS=s, BLOCK=REDUCE_BLOCK, PDL=pdl, SILU_COLS=silu_cols,
+            silu_scale=silu_scale, launch_pdl=pdl,
+        )  # fmt: skip
     return y

@@ -182,14 +182,15 @@ def _plan_small(
 
 @triton.jit
 def _gate_up(
-    x_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, gu_ptr, act_ptr, H, I,
+    x_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, gu_ptr, sgu_ptr, act_ptr, H, I, E_SHARED,
     stride_gu_e, stride_gu_n,
     K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
-    program (block, I tile). x is [M, H] with rows H apart."""
+    program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
+    (the shared expert; -1: none)."""
     pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -206,7 +207,8 @@ def _gate_up(
     mask_n = rn < I
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * H + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    g_ptrs = gu_ptr + e.to(tl.int64) * stride_gu_e + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
+    base = tl.where(e == E_SHARED, sgu_ptr, gu_ptr + e.to(tl.int64) * stride_gu_e)
+    g_ptrs = base + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
     u_ptrs = g_ptrs + I * stride_gu_n
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -241,8 +243,8 @@ def _gate_up(
 
 @triton.jit(do_not_specialize_on_alignment=["w_ptr"])
 def _down(
-    act_ptr, order_ptr, w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, down_ptr, yw_ptr, H, I,
-    stride_d_e, stride_d_h,
+    act_ptr, order_ptr, w_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, down_ptr, sdown_ptr, yw_ptr, H, I,
+    E_SHARED, stride_d_e, stride_d_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -262,7 +264,8 @@ def _down(
     mask_n = rn < H
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    d_ptrs = down_ptr + e.to(tl.int64) * stride_d_e + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
+    base = tl.where(e == E_SHARED, sdown_ptr, down_ptr + e.to(tl.int64) * stride_d_e)
+    d_ptrs = base + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
@@ -376,10 +379,12 @@ def grouped_decode_experts(
     stages: int = 4,
     stages_down: int = 4,
     block_h_combine: int = 256,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [M, H]; weights [M, k] (x.dtype); ids [M, k] (int32/int64, < E); gate_up [E, 2I, H] (gate rows
-    first); down [E, H, I]. Returns [M, H] in x.dtype: per row, sum over its k experts taken in ascending
-    expert id of w * down(silu(gate·x) * (up·x)).
+    """x [M, H]; weights [M, k] (x.dtype); ids [M, k] (int32/int64, < E, or E with `shared`: that
+    expert's (gate_up [2I, H], down [H, I])); gate_up [E, 2I, H] (gate rows first); down [E, H, I].
+    Returns [M, H] in x.dtype: per row, sum over its k experts taken in ascending expert id of
+    w * down(silu(gate·x) * (up·x)).
 
     Row-invariant and free of host reads (CUDA-graph capturable), as `routed_experts`. The block sizes
     are part of the numerics: a row's bits are fixed for given blocks, whatever M and the other rows;
@@ -387,7 +392,7 @@ def grouped_decode_experts(
     as the reference does."""
     return _grouped(
         x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
-        warps, warps_down, stages, stages_down, block_h_combine, sort=False,
+        warps, warps_down, stages, stages_down, block_h_combine, sort=False, shared=shared,
     )  # fmt: skip
 
 
@@ -415,6 +420,7 @@ def grouped_experts(
     stages: int = 4,
     stages_down: int = 4,
     block_h_combine: int = 512,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The prefill entry: x [T, H]; weights [T, k]; ids [T, k] (int32/int64, < E); gate_up [E, 2I, H]
     (gate rows first); down [E, H, I]. Returns [T, H] in x.dtype: per token, sum over its k experts
@@ -427,17 +433,22 @@ def grouped_experts(
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
-        warps, warps_down, stages, stages_down, block_h_combine, sort=True,
+        warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared,
     )  # fmt: skip
 
 
 def _grouped(
     x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
-    warps, warps_down, stages, stages_down, block_h_combine, sort: bool,
+    warps, warps_down, stages, stages_down, block_h_combine, sort: bool, shared=None,
 ) -> torch.Tensor:  # fmt: skip
-    """The four launches of both entries (sort: how `plan` orders the pairs)."""
+    """The four launches of both entries (sort: how `plan` orders the pairs; shared: expert E's
+    weights, planned as one more expert)."""
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
     E = gate_up.shape[0]
+    e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
+    # NOTE: the shared expert's rows are read with the routed experts' row strides
+    assert sgu.stride(-2) == gate_up.stride(1) and sdown.stride(-2) == down.stride(1), "shared strides"
+    assert sgu.stride(-1) == 1 and sdown.stride(-1) == 1 and sgu.shape[-2:] == gate_up.shape[1:]
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     n = M * k
     if n == 0:
@@ -449,19 +460,21 @@ def _grouped(
         x = x.clone()
     ids = ids.contiguous()
     weights = weights.contiguous()
-    order, blk = plan(ids, E, block_m, sort)
+    order, blk = plan(ids, E + (shared is not None), block_m, sort)
     nb = blk.shape[1]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty((n, I), dtype=x.dtype, device=x.device)
     _gate_up[(nb, triton.cdiv(I, block_n))](
-        x, order, blk[0], blk[1], blk[2], gate_up, act, H, I, gate_up.stride(0), gate_up.stride(1),
+        x, order, blk[0], blk[1], blk[2], gate_up, sgu, act, H, I, e_shared, gate_up.stride(0),
+        gate_up.stride(1),
         K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages, **pdl_args(x),
     )  # fmt: skip
     yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
     _down[(nb, triton.cdiv(H, block_n_down))](
-        act, order, weights, blk[0], blk[1], blk[2], down, yw, H, I, down.stride(0), down.stride(1),
+        act, order, weights, blk[0], blk[1], blk[2], down, sdown, yw, H, I, e_shared, down.stride(0),
+        down.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down,
         EVEN_K=I % block_k_down == 0, EVEN_N=H % block_n_down == 0, DOT_PRECISION=precision,
         num_warps=warps_down, num_stages=stages_down, **pdl_args(act),

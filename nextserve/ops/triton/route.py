@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import pdl_args, pdl_start
+from .common import pdl_args, pdl_start, sigmoid
 
 MAX_EXPERTS = 4096  # the whole row lives in registers (16 float32 a thread at 8 warps)
 
@@ -31,7 +31,7 @@ def _route(
     x_ptr, w_ptr, i_ptr,
     T, E, stride_xr,
     K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr, NORMALIZE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SHARED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -55,22 +55,31 @@ def _route(
         p = tl.where(cols == idx, -1.0, p)
     if NORMALIZE:
         top_w = tl.div_rn(top_w, total)
-    out = row * K + slots
+    out = row * (K + SHARED) + slots
     keep = slots < K
     tl.store(w_ptr + out, top_w.to(w_ptr.dtype.element_ty), mask=keep)
     tl.store(i_ptr + out, top_i.to(tl.int64), mask=keep)
+    if SHARED:  # the shared expert: id E, weight sigmoid(its gate logit), rounded as sigmoid_gate rounds
+        gate = sigmoid(tl.load(x_ptr + row * stride_xr + E).to(tl.float32))
+        first = slots == 0
+        tl.store(w_ptr + out + K, tl.where(first, gate, 0.0).to(w_ptr.dtype.element_ty), mask=first)
+        tl.store(i_ptr + out + K, tl.where(first, E, 0).to(tl.int64), mask=first)
 
 
-def triton_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_route(
+    logits: torch.Tensor, top_k: int, normalize: bool, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (bf16/fp16/fp32; rows may be strided) -> (weights [T, k] in logits' dtype, expert
     ids [T, k] int64): the top-k softmax probabilities in descending order (ties: lower expert first),
-    divided by their float32 sum when `normalize`."""
+    divided by their float32 sum when `normalize`. With `shared`, logits [T, E + 1] end with the shared
+    expert's gate logit and the outputs get a last column (id E, sigmoid(logit))."""
     assert logits.dim() == 2, logits.shape
     T, E = logits.shape
+    E -= int(shared)
     assert 0 < top_k <= E <= MAX_EXPERTS, (top_k, E)
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k + shared, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k + shared, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
     block = triton.next_power_of_2(E)
@@ -78,7 +87,7 @@ def triton_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     _route[(T,)](
         x, weights, ids,
         T, E, x.stride(0),
-        K=top_k, KB=triton.next_power_of_2(top_k), BLOCK=block, NORMALIZE=normalize,
+        K=top_k, KB=triton.next_power_of_2(top_k), BLOCK=block, NORMALIZE=normalize, SHARED=shared,
         num_warps=num_warps, **pdl_args(x),
     )  # fmt: skip
     return weights, ids
