@@ -42,18 +42,6 @@ def down_silu(
     return torch.cat([scaled_silu(y[:, :rank], n, row_invariant), y[:, rank:]], dim=-1)
 
 
-def mix_up(
-    a: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, n: int, hidden: int, row_invariant: bool = False
-) -> torch.Tensor:
-    """Block input u [T, H] = mix_streams(a @ w_up^T, xn): the up projection of the low-rank activation
-    a [T, r], then the stream mix (one launch on CUDA in row-invariant mode)."""
-    if row_invariant and _triton_ok(a, w_up, xn):
-        from .triton.hyper import triton_up_mix
-
-        return triton_up_mix(a, w_up, xn, n, hidden)
-    return mix_streams(linear(a, w_up, row_invariant), xn, n, hidden, row_invariant)
-
-
 def mix_streams(
     logits: torch.Tensor, xn: torch.Tensor, n: int, hidden: int, row_invariant: bool = False
 ) -> torch.Tensor:

@@ -103,7 +103,7 @@ def test_plan(M, E, k) -> None:
 
 
 @small
-@pytest.mark.parametrize("E,k", [(512, 10), (8, 3), (3, 2), (40, 1)])
+@pytest.mark.parametrize("E,k", [(512, 10), (513, 11), (8, 3), (3, 2), (40, 1)])
 def test_small_plan_equals_chunked_plan(E, k) -> None:
     """The one-program plan of a few rows gives the chunked plan's order and blocks, bit for bit, at
     every pair count up to PLAN_SMALL (experts shared by many rows, runs longer than a block), and at

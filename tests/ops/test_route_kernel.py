@@ -129,7 +129,7 @@ def test_cuda_route(T: int, dtype: torch.dtype) -> None:
     xs = torch.cat([x, x[:, :1] * 0.5], dim=1)  # the shared expert's gate logit last
     sw, sids = route(xs, 10, True, True, shared=True)
     ref_w, ref_ids = route(xs.cpu(), 10, True, True, shared=True)
-    assert torch.equal(sids.cpu(), ref_ids) and torch.equal(sw[:, :10], route(x, 10, True, True)[0])
+    assert torch.equal(sids.cpu(), ref_ids) and torch.equal(sids[:, :10], route(x, 10, True, True)[1])
     torch.testing.assert_close(
         sw.float().cpu(), ref_w.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6
     )

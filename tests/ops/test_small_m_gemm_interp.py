@@ -109,3 +109,13 @@ def test_silu_epilogue_gives_the_separate_activation_bits(
     fused = small_m_linear(x, w, splits=splits, one_launch=one_launch, silu_cols=8, silu_scale=0.25)
     assert torch.equal(fused[:, 8:], plain[:, 8:])
     assert torch.equal(fused[:, :8], triton_scaled_silu(plain[:, :8], 4))
+
+
+@small
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_strided_input_read_in_place(dtype) -> None:
+    """A column slice of a wider tensor (rows 324 apart) gives the bits of its contiguous copy."""
+    x, w = _problem(7, 40, 300, dtype, seed=17)
+    wide = torch.cat([x, x[:, :24]], dim=1)[:, :300]
+    assert wide.stride(0) == 324
+    assert torch.equal(small_m_linear(wide, w), small_m_linear(wide.contiguous(), w))

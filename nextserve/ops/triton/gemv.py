@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_pdl, pdl_start
+from .common import launch_pdl, pdl_start, unit_stride
 
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
@@ -222,7 +222,7 @@ def small_m_linear(
     `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark).
     `silu_cols` > 0: output columns below it are silu(y * silu_scale), rounded as `scaled_silu` rounds
     (the hyper-connections' down projection and its activation in one launch; the same bits)."""
-    x = x.contiguous()
+    x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
     weight = weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]

@@ -1,7 +1,6 @@
-"""Hyper-connection kernels for CUDA: the mixer's activation, the stream mix, the injection, and the up
-projection fused with the stream mix (decode).
+"""Hyper-connection elementwise kernels for CUDA: the mixer's activation, the stream mix, the injection.
 
-Reference: `nextserve.ops.hyper` on the CPU (scaled_silu, mix_streams, inject, mix_up).
+Reference: `nextserve.ops.hyper` on the CPU (scaled_silu, mix_streams, inject).
 
 # NOTE: each kernel is elementwise over a row's columns, with the n streams summed in a fixed order
 # (s = 0..n-1, unrolled) inside the program; the block size and warp count are constants, and the row
@@ -77,47 +76,6 @@ def _inject(
         tl.store(o_ptr + t * stride_o + s * H + c, (x + p).to(ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _up_mix(
-    a_ptr, w_ptr, x_ptr, u_ptr, M, H, R, stride_a, stride_x, stride_u, inv_n,
-    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """u[rows, h] = mean_s sigmoid(a[rows] . W[s*H + h]) * x[rows, s*H + h] for an h tile; program (row
-    block x h tile). Each stream's logits are the GEMV's (ops/triton/gemv.py): BLOCK_M padded rows times
-    [BLOCK_K] tiles in ascending order, float32, rounded once; then the stream mix's roundings."""
-    pid = tl.program_id(0)
-    m_blocks = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % m_blocks
-    pid_h = pid // m_blocks
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    rk = tl.arange(0, BLOCK_K)
-    mask_m = rm[:, None] < M
-    mask_h = rh[None, :] < H
-    ty = u_ptr.dtype.element_ty
-    pdl_start(PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for s in tl.static_range(N):
-        logit = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-        for t in tl.static_range(K_TILES):  # unrolled: every weight tile's load can be in flight at once
-            kk = t * BLOCK_K + rk
-            a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_a + kk[None, :],
-                        mask=mask_m & (kk[None, :] < R), other=0.0)  # fmt: skip
-            w = tl.load(w_ptr + (s * H + rh[None, :]).to(tl.int64) * R + kk[:, None],
-                        mask=mask_h & (kk[:, None] < R), other=0.0)  # fmt: skip
-            if IEEE:
-                logit += tl.dot(a, w, input_precision="ieee")
-            else:
-                logit += tl.dot(a, w)
-        g = sigmoid(logit.to(ty).to(tl.float32)).to(ty).to(tl.float32)
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + s * H + rh[None, :],
-                    mask=mask_m & mask_h, other=0.0).to(tl.float32)  # fmt: skip
-        acc += (g * x).to(ty).to(tl.float32)
-    u = (acc * inv_n).to(ty)
-    tl.store(u_ptr + rm[:, None].to(tl.int64) * stride_u + rh[None, :], u, mask=mask_m & mask_h)
-
-
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return unit_stride(t.reshape(-1, width))
 
@@ -171,29 +129,3 @@ def triton_inject(
             N=n, BLOCK=block, FROM_LOGITS=from_logits, num_warps=NUM_WARPS, **pdl_args(x2),
         )  # fmt: skip
     return o
-
-
-UP_MIX_BLOCK_H = 16  # 160 programs at the real H = 2560 (one weight pass, 4 x 16 rows each)
-
-
-def triton_up_mix(a: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, n: int, hidden: int) -> torch.Tensor:
-    """mix_streams(a @ w_up^T, xn) in one launch: a [M, R] (rows may be strided), w_up [n*hidden, R], xn
-    [M, n*hidden] (one dtype) -> u [M, hidden]. Row-invariant: the blocks are constants and the K tile is
-    the GEMV's for w_up's shape, so a row's bits never depend on M (C1); M only sizes the grid."""
-    from .gemv import BLOCK_M, _config
-
-    M, R = a.shape
-    assert w_up.shape == (n * hidden, R) and xn.shape == (M, n * hidden), (a.shape, w_up.shape, xn.shape)
-    assert a.dtype == w_up.dtype == xn.dtype, (a.dtype, w_up.dtype, xn.dtype)
-    a, w_up, xn = unit_stride(a), w_up.contiguous(), unit_stride(xn)
-    u = torch.empty((M, hidden), dtype=xn.dtype, device=xn.device)
-    if M == 0:
-        return u
-    block_k = _config(n * hidden, R, a.dtype).block_k
-    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(hidden, UP_MIX_BLOCK_H),)
-    _up_mix[grid](
-        a, w_up, xn, u, M, hidden, R, a.stride(0), xn.stride(0), hidden, 1.0 / n,
-        N=n, BLOCK_M=BLOCK_M, BLOCK_H=UP_MIX_BLOCK_H, BLOCK_K=block_k, K_TILES=triton.cdiv(R, block_k),
-        IEEE=a.dtype == torch.float32, num_warps=NUM_WARPS, **pdl_args(a),
-    )  # fmt: skip
-    return u

@@ -77,6 +77,11 @@ BLOCK_M = 16
 PLAN_CHUNK = 32  # pairs ranked and blocks planned per plan program
 PLAN_Q = 32  # pairs compared per step of the plan's loops
 PLAN_SMALL = 64  # pairs planned by one _plan_small program ([64, 64] comparisons; [E, n] work beyond)
+# NOTE: the plans' [P, P] and [E_PAD, Q] temporaries live in registers: warps chosen so that ptxas (sm_90)
+# spills nothing (_plan at E_PAD = 1024, i.e. 512 experts + the shared one, spilled at 4 warps). On the
+# H200, _plan_small at 128 pairs took 65 us a call against 16-warp _plan's (bench_decode_blocks.py).
+PLAN_WARPS = 16
+PLAN_SMALL_WARPS = 8
 _INT_BIG = 1 << 30  # an id above every expert: masked pairs count nowhere
 _SEARCH_STEPS = 31  # binary search steps of the SORTED plan: enough for n < 2**30 pairs
 
@@ -347,18 +352,20 @@ def plan(
         sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
         _plan[(triton.cdiv(nb_max, PLAN_CHUNK),)](
             sorted_ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts,
-            SORTED=True, SEARCH_STEPS=_SEARCH_STEPS, **pdl_args(sorted_ids),
+            SORTED=True, SEARCH_STEPS=_SEARCH_STEPS, num_warps=PLAN_WARPS, **pdl_args(sorted_ids),
         )  # fmt: skip
     elif (n <= PLAN_SMALL) if small is None else small:
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
         _plan_small[(1,)](
             ids, order, blk[0], blk[1], blk[2], n, nb_max, BLOCK_M=block_m, P=triton.next_power_of_2(n),
-            NBP=triton.next_power_of_2(max(nb_max, 1)), BIG=_INT_BIG, **pdl_args(ids),
+            NBP=triton.next_power_of_2(max(nb_max, 1)), BIG=_INT_BIG, num_warps=PLAN_SMALL_WARPS,
+            **pdl_args(ids),
         )  # fmt: skip
     else:
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
         _plan[(triton.cdiv(n, PLAN_CHUNK),)](
-            ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts, **pdl_args(ids),
+            ids, order, blk[0], blk[1], blk[2], n, num_experts, nb_max, **consts, num_warps=PLAN_WARPS,
+            **pdl_args(ids),
         )  # fmt: skip
     return order, blk[:, :nb_max]
 
