@@ -43,6 +43,8 @@ class SparseMoe(nn.Module):
         self.shared_expert = SharedExpert(cfg)
         self.shared_expert_gate = Weight(1, cfg.hidden_size)
         self.in_proj: torch.Tensor | None = None  # router|shared-expert gate|shared gate|shared up
+        # NOTE: a config property, never a batch one, so a row's bits never depend on the batch (C1)
+        self.shared_as_expert = cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
 
     def _parts(self) -> tuple[Weight, ...]:
         se = self.shared_expert
@@ -52,7 +54,7 @@ class SparseMoe(nn.Module):
         self.in_proj = fuse_rows(*self._parts())
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
-        if ri:
+        if ri and self.shared_as_expert:
             return self._decode(u)
         router, sg, g, up = project(u, self._parts(), self.in_proj, ri)
         shared = self.shared_expert(u, ri, (g, up))
@@ -61,9 +63,10 @@ class SparseMoe(nn.Module):
         return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared
 
     def _decode(self, u: torch.Tensor) -> torch.Tensor:
-        """Row-invariant rows (decode, verify windows): the shared expert runs as one more routed expert
-        (id E, weight sigmoid(sg), added last: the same roundings as sigmoid_gate), so its projections
-        ride the grouped expert kernels instead of a GEMV, an activation and a gate of their own."""
+        """Row-invariant rows (decode, verify windows) when the shared expert has the routed experts'
+        width (Flash-Next: 640 both): it runs as one more routed expert (id E, weight sigmoid(sg), added
+        last: the same roundings as sigmoid_gate), so its projections ride the grouped expert kernels
+        instead of a GEMV, an activation and a gate of their own."""
         E, se = self.gate.weight.shape[0], self.shared_expert
         if self.in_proj is not None:  # views of the stack: router|sg rows, then shared gate|up rows
             logits = linear(u, self.in_proj[: E + 1], True)
