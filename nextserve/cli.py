@@ -34,13 +34,17 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "host_kv_mib": "host memory (MiB) the host image store may hold",
     "cuda_graph": "replay each decode step as a CUDA graph per batch-size bucket (GPU only; "
     "--no-cuda-graph runs the same kernels eagerly)",
-    "speculative_method": "off, or ngram: propose draft tokens by looking the last 3 (then 2) tokens up "
-    "earlier in the sequence, and check them with one verify window (outputs unchanged; CPU backend only "
-    "for now)",
+    "speculative_method": "off; ngram: propose draft tokens by looking the last 3 (then 2) tokens up "
+    "earlier in the sequence; mtp: draft with the model's MTP block (needs mtp.* weights). Drafts are "
+    "checked by one verify window (outputs unchanged)",
     "speculative_tokens": "most draft tokens per verify window (1..32)",
-    "pipeline_stages": "split the layers into this many contiguous ranges, one process each, activations "
-    "passed stage to stage bit for bit (CPU backend over Gloo for now; not with the host image store or "
-    "speculation yet)",
+    "pipeline_stages": "split the layers into this many contiguous ranges, one process each (on CUDA, one "
+    "GPU each), activations passed stage to stage bit for bit (decode runs eagerly in stages; not with "
+    "the host image store or speculation yet)",
+    "pipeline_devices": "CUDA device indices of the stages, comma-separated, one per stage (e.g. 1,0); "
+    "default: consecutive from --device's index (cuda: 0,1,...)",
+    "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
+    "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "
     "the previous one's end (sm_90+ GPUs; same outputs either way; --no-pdl turns it off)",
 }

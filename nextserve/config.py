@@ -276,9 +276,11 @@ class EngineConfig:
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
     cuda_graph: bool = True  # replay decode steps as CUDA graphs (GPU only)
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
-    speculative_method: str = "off"  # "ngram": draft tokens by prompt lookup, checked by verify windows
+    speculative_method: str = "off"  # "ngram" (prompt lookup) or "mtp" (the MTP block): drafts to verify
     speculative_tokens: int = 4  # draft tokens per verify window at most
-    pipeline_stages: int = 1  # processes the layers are split across (CPU, Gloo, for now)
+    pipeline_stages: int = 1  # processes the layers are split across, one device each
+    pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
+    stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
     host_kv_mib: int = 4096  # host memory the host image store may use
 
@@ -300,8 +302,10 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.host_state_slots and not self.prefix_cache_images:
             raise ConfigError("host_state_slots needs prefix_cache_images > 0 (it keeps device spills)")
-        if self.speculative_method not in ("off", "ngram"):
-            raise ConfigError(f"speculative_method must be off or ngram, got {self.speculative_method!r}")
+        if self.speculative_method not in ("off", "ngram", "mtp"):
+            raise ConfigError(
+                f"speculative_method must be off, ngram or mtp, got {self.speculative_method!r}"
+            )
         if not isinstance(self.speculative_tokens, int) or not 1 <= self.speculative_tokens <= 32:
             raise ConfigError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens!r}")
         for name in ("cuda_graph", "pdl"):
@@ -309,6 +313,42 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
             raise ConfigError("memory_headroom_mib must be >= 0 and cpu_kv_budget_mib > 0")
+        self._check_stage_flags()
+
+    def _check_stage_flags(self) -> None:
+        """stage_transport and pipeline_devices (normalised to "i,j,..." when given as a list of ints)."""
+        if self.stage_transport not in ("auto", "nccl", "host"):
+            raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
+        if self.device == "cpu" and self.stage_transport == "nccl":
+            raise ConfigError(
+                "stage_transport nccl needs CUDA devices; CPU stages pass activations over Gloo (host)"
+            )
+        devices = self.pipeline_devices
+        if devices is None:
+            return
+        if isinstance(devices, list | tuple) and all(type(i) is int for i in devices):
+            devices = ",".join(map(str, devices))
+        parts = devices.split(",") if isinstance(devices, str) else None
+        if parts is None or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
+            raise ConfigError(
+                f"pipeline_devices must be comma-separated CUDA device indices such as 0,1, got {devices!r}"
+            )
+        indices = [int(p) for p in parts]
+        # NOTE: NCCL runs one rank per GPU; through host memory several stages may share a GPU (one GPU
+        # then runs the stage processes, as tests/gpu/test_pipeline_cuda.py does on a single H200).
+        if len(set(indices)) != len(indices) and self.stage_transport != "host":
+            raise ConfigError(
+                f"pipeline_devices names a GPU twice, which needs --stage-transport host (NCCL runs one "
+                f"stage per GPU), got {devices!r}"
+            )
+        if self.pipeline_stages < 2 or len(indices) != self.pipeline_stages:
+            raise ConfigError(
+                f"pipeline_devices names {len(indices)} devices: give one per stage, with pipeline_stages "
+                f"> 1 (pipeline_stages is {self.pipeline_stages}; one device is --device cuda:N)"
+            )
+        if self.device == "cpu":
+            raise ConfigError("pipeline_devices are CUDA devices; it does not go with device cpu")
+        object.__setattr__(self, "pipeline_devices", ",".join(map(str, indices)))
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -317,6 +357,22 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda was asked for but no CUDA device is available")
         return dev
+
+    def stage_devices(self) -> list[torch.device]:
+        """Each pipeline stage's device: pipeline_devices, else consecutive CUDA indices from --device's
+        (cuda: 0, 1, ...; cuda:2: 2, 3, ...); every stage on the CPU backend is the CPU."""
+        dev = self.torch_device()
+        if dev.type != "cuda":
+            return [dev] * self.pipeline_stages
+        if self.pipeline_devices is not None:
+            return [torch.device("cuda", int(i)) for i in self.pipeline_devices.split(",")]
+        return [torch.device("cuda", (dev.index or 0) + i) for i in range(self.pipeline_stages)]
+
+    def stage_transport_kind(self) -> str:
+        """stage_transport with auto resolved: nccl on CUDA, host on the CPU (Gloo only)."""
+        if self.stage_transport != "auto":
+            return self.stage_transport
+        return "nccl" if self.torch_device().type == "cuda" else "host"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

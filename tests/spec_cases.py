@@ -1,9 +1,10 @@
 """Shared by the speculative decoding tests (tests/engine, tests/gpu): prompts, drafts from the serial
-reference, output comparison, and the check that a verify window's rows equal serial decode."""
+reference, a log of what a proposer proposes, output comparison, and the check that a verify window's rows
+equal serial decode."""
 
 import torch
 
-from nextserve import SamplingParams
+from nextserve import LLM, SamplingParams
 from nextserve.config import EngineConfig
 from nextserve.engine.engine import LLMEngine
 from nextserve.model.batch import ForwardBatch, SeqChunk
@@ -14,12 +15,53 @@ def spec_prompts() -> list[list[int]]:
     return [torch.randint(8, 250, (n,), generator=g).tolist() for n in (37, 45, 61)]
 
 
+# A Python prompt for the default model (trained on Python's stdlib): 128 greedy tokens after it.
+PY_PROMPT = '''import os
+import sys
+
+
+def read_lines(path):
+    """Return the lines of the file at path."""
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def main(argv):
+    for name in argv[1:]:
+'''
+
+
+class DraftLog:
+    """Wraps the engine's proposer and records what it proposes: (prompt, position, drafts)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.inner, self.log = llm.engine.scheduler.proposer, []
+        llm.engine.scheduler.proposer = self
+
+    def drafts(self, seq, limit: int) -> list[int]:
+        drafts = self.inner.drafts(seq, limit)
+        self.log.append((tuple(seq.prompt_ids), seq.num_computed, tuple(drafts)))
+        return drafts
+
+    def of(self, prompt) -> list:
+        return [(pos, d) for p, pos, d in self.log if p == tuple(prompt)]
+
+
+def py_prompts() -> list[str]:
+    """Three Python prompts of 2-4 prefill chunks (of 32 tokens) for the default model."""
+    return [PY_PROMPT, PY_PROMPT[:150], "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+            "    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n"]  # fmt: skip
+
+
 class OracleProposer:
     """Drafts from the serial reference's outputs, with the outputs at `wrong` indices changed."""
 
     def __init__(self, prompts, outputs, k: int, wrong) -> None:
         self.by_prompt = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
         self.k, self.wrong = k, wrong
+
+    def drafts(self, seq, limit: int) -> list[int]:
+        return self.propose(seq.all_ids, limit)
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         for prompt, out in self.by_prompt.items():

@@ -31,12 +31,19 @@ def release_image(pool: KVPool, image: SequenceImage) -> None:
 
 class SequenceCache:
     def __init__(
-        self, pool: KVPool, slots: StateSlots, slot: int | None = None, block_table: list[int] | None = None
+        self,
+        pool: KVPool,
+        slots: StateSlots,
+        slot: int | None = None,
+        block_table: list[int] | None = None,
+        lag: int = 0,
     ) -> None:
         """A new sequence's cache (a freshly reset slot, no pages); or, given `slot` and `block_table`,
         a view of a sequence whose slot and pages another holder allocated (a pipeline stage mirrors
-        the driver's allocation on its own planes): nothing is taken here, and `free` is not called."""
-        self.pool, self.slots = pool, slots
+        the driver's allocation on its own planes): nothing is taken here, and `free` is not called.
+        `lag`: positions before `length` the sequence still writes (1 when the MTP drafts: its row
+        length-1 runs once the token at length is known), so their pages are its own too."""
+        self.pool, self.slots, self.lag = pool, slots, lag
         self.slot = slots.alloc() if slot is None else slot
         self.block_table: list[int] = list(block_table or [])
         self._table_list: list[int] | None = None  # what _table_dev was built from
@@ -50,7 +57,7 @@ class SequenceCache:
         if tokens <= self.length:
             return []
         last = min(len(self.block_table), self.pool.pages_for(tokens))
-        first = self.length // self.pool.page_size
+        first = max(self.length - self.lag, 0) // self.pool.page_size
         return [i for i in range(first, last) if self.pool.refcount[self.block_table[i]] > 1]
 
     def pages_needed(self, tokens: int) -> int:
@@ -82,18 +89,18 @@ class SequenceCache:
 
     # ---- images --------------------------------------------------------------------------------
     def snapshot(self) -> SequenceImage:
-        """An image at `length`. A partly filled last page goes to the image and the sequence writes
-        on in a copy taken now (one free page, else PoolExhausted and no image): its later writes stay
-        within what it reserved."""
+        """An image at `length`. A page the sequence writes again (a partly filled last page, or the
+        page of position length - lag) goes to the image and the sequence writes on in a copy taken now
+        (one free page, else PoolExhausted and no image): its later writes stay within what it reserved."""
         n = self.pool.pages_for(self.length)
-        partial = self.length % self.pool.page_size != 0
-        if partial and self.pool.num_free == 0:
-            raise PoolExhausted("no free KV page to split a partly filled page off for an image")
+        first = max(self.length - self.lag, 0) // self.pool.page_size  # the first page written again
+        if first < n and self.pool.num_free < n - first:
+            raise PoolExhausted("no free KV page to split a page the sequence writes again off an image")
         pages = self.block_table[:n]
         self.pool.incref(pages)
         image = SequenceImage(self.length, self.slots.copy_out(self.slot), list(pages))
-        if partial:
-            self._own_pages(n - 1, n - 1)
+        if first < n:
+            self._own_pages(first, n - 1)
         return image
 
     def restore(self, image: SequenceImage) -> None:

@@ -1,5 +1,5 @@
 """Per-sequence recurrent state in fixed-size slots: GDN conv + recurrent state, PLE n-gram context
-and conv history, and the indexer's open-block raw keys."""
+and conv history, the indexer's open-block raw keys, and the MTP layer's input of the last committed row."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def local(kinds: range, index: int, what: str) -> int:
 
 
 # Which tensors make up one slot; a SequenceImage copies exactly these.
-STATE_FIELDS = ("gdn_conv", "gdn_rec", "ple_ctx", "ple_conv", "index_tail")
+STATE_FIELDS = ("gdn_conv", "gdn_rec", "ple_ctx", "ple_conv", "index_tail", "mtp_hidden")
 
 
 class StateSlots:
@@ -82,6 +82,12 @@ class StateSlots:
         self.ple_conv = torch.zeros(nP, S, cfg.hc_hidden, hist, dtype=dtype, **kw)
         c = cfg.indexer_compress_ratio
         self.index_tail = torch.zeros(num_attn_layers, S, c - 1, cfg.indexer_head_dim, dtype=dtype, **kw)
+        # NOTE: the target's pre-mixer streams of the last committed row (position length-1): the MTP
+        # row at a position runs once the token after it is known (runtime/mtp_runner.py), so an image
+        # taken at a chunk end carries what a resumed prompt needs to run it. Kept where the MTP
+        # layer's planes are (attention index n_qsa): [1, S, nH], else [0, S, nH].
+        n_mtp = int(len(cfg.qsa_layers) in kinds.attn)
+        self.mtp_hidden = torch.zeros(n_mtp, S, cfg.hc_hidden, dtype=dtype, **kw)
         self._free = list(range(num_slots - 1, -1, -1))
 
     def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +101,12 @@ class StateSlots:
 
     def tail_plane(self, attn_index: int) -> torch.Tensor:
         return self.index_tail[local(self.kinds.attn, attn_index, "attention")]
+
+    def mtp_hidden_plane(self) -> torch.Tensor:
+        """Every slot's MTP input of its last committed row [S, nH] (see the NOTE in __init__)."""
+        if self.mtp_hidden.shape[0] == 0:
+            raise IndexError("the MTP layer's state is not held here")
+        return self.mtp_hidden[0]
 
     @property
     def num_free(self) -> int:

@@ -17,6 +17,7 @@ from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from ..ops.triton.common import pdl_mode
 from ..runtime.graph_runner import GraphRunner
+from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import PipelineRunner, build_stage, stage_layers
 from ..runtime.runner import ChunkResult, ModelRunner
 from .detokenizer import Detokenizer
@@ -24,7 +25,7 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
-from .speculative import NgramProposer
+from .speculative import MtpProposer, NgramProposer
 from .validate import check_prompt
 
 log = logging.getLogger("nextserve.engine")
@@ -73,16 +74,19 @@ class LLMEngine:
         else:
             self.model_config, self.tokenizer = (cfg := model.cfg), None
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
+        if stages > 1:
+            ranges, devices = self._check_pipeline(model)
+            self.device = devices[0]  # stage 0's, where the driver samples
         capacity = self._kv_capacity(n_attn)
         self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
         if config.max_context is not None and config.max_context > capacity:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
         num_pages = -(-capacity // config.page_size)
         if stages > 1:
-            ranges = self._check_pipeline(model)
             self.model, self.pool, self.slots = build_stage(
-                config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size
-            )
+                config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size,
+                self.device,
+            )  # fmt: skip
         else:
             self.model = load_model(config, cfg) if model is None else model.eval()
             self.model.fuse_projections()
@@ -98,15 +102,21 @@ class LLMEngine:
             if config.prefix_cache_images > 0
             else None
         )
-        proposer = None
+        proposer, mtp = None, None
         if config.speculative_method == "ngram":
             proposer = NgramProposer(config.speculative_tokens)
+        elif config.speculative_method == "mtp":
+            if model is not None:
+                raise ConfigError("speculative_method mtp loads the MTP block from --model; pass no model")
+            mtp = load_mtp(config.model, cfg, self.dtype, self.device)  # ConfigError without mtp.*
+            proposer = MtpProposer(config.speculative_tokens)
         self.spec_drafted = self.spec_accepted = 0
         self.scheduler = Scheduler(
-            self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer
-        )
+            self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
+            kv_lag=int(mtp is not None),  # the MTP row of a sequence's last committed token trails it
+        )  # fmt: skip
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graph:
+        if self.device.type == "cuda" and config.cuda_graph and stages == 1:  # stages decode eagerly
             graphs = GraphRunner(
                 self.model,
                 self.pool,
@@ -117,25 +127,46 @@ class LLMEngine:
             with pdl_mode(config.pdl):  # the graphs hold the launches as captured
                 graphs.capture()
         if stages > 1:
-            self.runner = PipelineRunner(config.model, self.model, self.pool, self.slots, ranges)
+            self.runner = PipelineRunner(config, self.model, self.pool, self.slots, ranges, devices)
         else:
-            self.runner = ModelRunner(self.model, self.device, self.pool, self.slots, graphs, config.pdl)
+            self.runner = ModelRunner(
+                self.model, self.device, self.pool, self.slots, graphs, config.pdl,
+                mtp=mtp, draft_tokens=config.speculative_tokens,
+            )  # fmt: skip
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0
 
-    def _check_pipeline(self, model: FlashNext | None) -> list[range]:
-        """The stages' layer ranges, or a ConfigError for what pipelines do not run yet."""
+    def _check_pipeline(self, model: FlashNext | None) -> tuple[list[range], list[torch.device]]:
+        """The stages' layer ranges and devices, or a ConfigError for what pipelines do not run (yet)."""
         c, L = self.config, self.model_config.num_hidden_layers
         if model is not None:
             raise ConfigError("pipeline stages load their own layers' weights from --model")
-        if self.device.type != "cpu":
-            raise ConfigError("pipeline stages run on the CPU backend (Gloo) only for now")
         if c.host_state_slots or c.speculative_method != "off":
-            raise ConfigError("pipeline stages do not run with the host image store or speculation yet")
+            raise ConfigError(
+                "pipeline stages do not run with the host image store or speculation yet (CPU or GPU)"
+            )
         if c.pipeline_stages > L:
             raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
-        return stage_layers(L, c.pipeline_stages)
+        devices = c.stage_devices()
+        if self.device.type == "cpu":
+            if c.stage_transport == "nccl" or c.pipeline_devices is not None:
+                raise ConfigError(
+                    "on the CPU backend pipeline stages talk over Gloo (stage_transport host), with no "
+                    "pipeline_devices: those are for CUDA devices"
+                )
+        elif self.device.type == "cuda":
+            count = torch.cuda.device_count()
+            if any(d.index >= count for d in devices):
+                raise ConfigError(
+                    f"pipeline stages on {', '.join(map(str, devices))}, but this machine has {count} "
+                    "CUDA devices (see --pipeline-devices)"
+                )
+            if c.stage_transport_kind() == "nccl" and not torch.distributed.is_nccl_available():
+                raise ConfigError("this torch build has no NCCL: use --stage-transport host")
+        else:
+            raise ConfigError(f"pipeline stages run on the CPU or on CUDA devices, not {self.device.type}")
+        return stage_layers(L, c.pipeline_stages), devices
 
     def close(self) -> None:
         """Stop what the engine started beside it (pipeline stage processes); idempotent."""
@@ -260,6 +291,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error", r.error)
                 continue
             seq.num_computed = seq.cache.length = r.chunk.end if r.computed is None else r.computed
+            seq.drafts = r.drafts
             if r.chunk.drafts:
                 self.spec_drafted += len(r.chunk.drafts)
                 self.spec_accepted += seq.num_computed - r.chunk.start - 1

@@ -11,7 +11,7 @@ from ..cache.prefix import PrefixCache
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
 from .sequence import Sequence, Status
-from .speculative import NgramProposer
+from .speculative import Proposer
 
 
 class QueueFull(RuntimeError):
@@ -50,9 +50,12 @@ class Scheduler:
         prefill_chunk: int,
         max_pending: int,
         prefix: PrefixCache | None = None,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
+        kv_lag: int = 0,
     ) -> None:
-        self.pool, self.slots, self.prefix, self.proposer = pool, slots, prefix, proposer
+        """`kv_lag`: positions before a sequence's committed end that it still writes (SequenceCache.lag;
+        1 with MTP drafting)."""
+        self.pool, self.slots, self.prefix, self.proposer, self.kv_lag = pool, slots, prefix, proposer, kv_lag
         self.prefill_chunk, self.max_pending = prefill_chunk, max_pending
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -81,7 +84,7 @@ class Scheduler:
         """A cache holding every page seq may need, resumed from the longest stored prefix image;
         None (nothing taken) when the pool cannot hold it even after dropping unused images."""
         image = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
-        cache = SequenceCache(self.pool, self.slots)
+        cache = SequenceCache(self.pool, self.slots, lag=self.kv_lag)
         if image is not None:
             cache.restore(image)
         budget = seq.token_budget()
@@ -111,12 +114,12 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence) -> tuple[int, ...]:
         """Draft tokens for seq's next verify window: none without a proposer, for a request with a
-        grammar (its matcher advances one token at a time), or when no n-gram recurs. The window's
+        grammar (its matcher advances one token at a time), or when the proposer has none. The window's
         positions stay inside the pages admission reserved (seq.token_budget())."""
         if self.proposer is None or seq.constraint is not None:
             return ()
         limit = seq.token_budget() - seq.num_computed - 1
-        return tuple(self.proposer.propose(seq.all_ids, limit))
+        return tuple(self.proposer.drafts(seq, limit))
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence wherever it is and return its pages and slot at once."""

@@ -38,6 +38,7 @@ class Sequence:
     constraint: TokenConstraint | None = None
     detokenizer: Detokenizer | None = None
     image_points: frozenset[int] = frozenset()  # prompt positions to keep prefix images at
+    drafts: tuple[int, ...] = ()  # the MTP block's drafts after the last token (engine/speculative.py)
 
     @property
     def all_ids(self) -> list[int]:

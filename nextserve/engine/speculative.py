@@ -1,6 +1,6 @@
-"""Speculative decoding: draft tokens proposed from the sequence itself (n-gram prompt lookup), checked
-by one verify window of the target model, committed up to the first token the target would not have
-chosen.
+"""Speculative decoding: draft tokens proposed from the sequence itself (n-gram prompt lookup) or by the
+model's MTP block (runtime/mtp_runner.py), checked by one verify window of the target model, committed up
+to the first token the target would not have chosen.
 
 # NOTE: why speculation never changes an output (C1):
 # - a verify window is one row-invariant forward of [last token, d_1 .. d_k] at consecutive positions:
@@ -15,13 +15,29 @@ chosen.
 #   when a draft was rejected, copied back and the committed prefix of the window run again. KV, block
 #   keys and compressed rows written at rejected positions are position-addressed and never read
 #   before the real token at that position rewrites them.
+# Nothing here depends on where the drafts come from: garbage drafts cost speed, never an output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import ConfigError
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+
+class Proposer(Protocol):
+    def drafts(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to `limit` draft tokens to follow seq's tokens (its next verify window's)."""
+        ...
+
+
+def _check_k(k: object) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        raise ConfigError(f"speculative_tokens must be a positive integer, got {k!r}")
 
 
 @dataclass(frozen=True)
@@ -34,10 +50,12 @@ class NgramProposer:
     min_n: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k <= 0:
-            raise ConfigError(f"speculative_tokens must be a positive integer, got {self.k!r}")
+        _check_k(self.k)
         if not 1 <= self.min_n <= self.max_n:
             raise ConfigError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+
+    def drafts(self, seq: Sequence, limit: int) -> list[int]:
+        return self.propose(seq.all_ids, limit)
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) draft tokens to follow `tokens` (none when no n-gram recurs)."""
@@ -51,3 +69,19 @@ class NgramProposer:
                 if tokens[i : i + n] == key:
                     return tokens[i + n : i + n + k]
         return []
+
+
+@dataclass(frozen=True)
+class MtpProposer:
+    """The MTP block's greedy chain after the sequence's last committed token: computed at the end of
+    the step that committed it (runtime/mtp_runner.py) and kept on the sequence until this schedule."""
+
+    k: int  # draft tokens per window at most
+
+    def __post_init__(self) -> None:
+        _check_k(self.k)
+
+    def drafts(self, seq: Sequence, limit: int) -> list[int]:
+        # NOTE: Sequence.drafts is replaced by every step that computes seq, so it always belongs to
+        # seq's current last token (an empty chain after an MTP failure: a plain decode step then).
+        return list(seq.drafts[: min(self.k, limit)])

@@ -10,7 +10,7 @@ from torch import nn
 from ..config import QSA, ConfigError, ModelConfig
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
-from .batch import ForwardBatch, SeqChunk
+from .batch import DecodeBatch, ForwardBatch, SeqChunk
 from .decoder_layer import DecoderLayer
 from .hyper import GatedResidual
 from .params import Weight
@@ -37,17 +37,33 @@ class MTP(nn.Module):
     def attn_index(self) -> int:
         return len(self.cfg.qsa_layers)
 
+    def fuse_projections(self) -> None:
+        """Stack the projections that read one input, as FlashNext.fuse_projections; after loading."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse"):
+                m.fuse()
+
+    def _fuse_inputs(self, streams: torch.Tensor, next_embed: torch.Tensor, ri: bool) -> torch.Tensor:
+        """X0_s = fc_hidden(G-norm_nH(streams))_s + fc_embedding(G-norm_H(next_embed)) -> [T, nH]."""
+        T = streams.shape[0]
+        h = rms_norm(streams, self.pre_fc_norm_hidden.weight, self.eps)  # joint over all n*H
+        h = linear(h.reshape(T * self.n, self.hidden), self.fc_hidden.weight, ri).view(T, self.n, self.hidden)
+        e = rms_norm(next_embed, self.pre_fc_norm_embedding.weight, self.eps)
+        return (h + linear(e, self.fc_embedding.weight, ri).unsqueeze(1)).flatten(-2)  # [T, nH]
+
     def forward(
         self, streams: torch.Tensor, next_embed: torch.Tensor, batch: ForwardBatch, rope
     ) -> torch.Tensor:
         """streams [T, nH]: the target's (or the previous step's) pre-mixer streams at each row's
         position; next_embed [T, H]: embedding of the token after it. Returns multi_hidden [T, nH]."""
-        ri, T = batch.row_invariant, streams.shape[0]
-        h = rms_norm(streams, self.pre_fc_norm_hidden.weight, self.eps)  # joint over all n*H
-        h = linear(h.reshape(T * self.n, self.hidden), self.fc_hidden.weight, ri).view(T, self.n, self.hidden)
-        e = rms_norm(next_embed, self.pre_fc_norm_embedding.weight, self.eps)
-        x = (h + linear(e, self.fc_embedding.weight, ri).unsqueeze(1)).flatten(-2)  # [T, nH]
-        return self.layer(x, batch, rope)
+        return self.layer(self._fuse_inputs(streams, next_embed, batch.row_invariant), batch, rope)
+
+    def decode(
+        self, streams: torch.Tensor, next_embed: torch.Tensor, batch: DecodeBatch, rope
+    ) -> torch.Tensor:
+        """One row per sequence (distinct sequences), row-invariant, as FlashNext.decode: streams
+        [B, nH], next_embed [B, H] -> multi_hidden [B, nH]."""
+        return self.layer.decode(self._fuse_inputs(streams, next_embed, True), batch, rope)
 
     def sample_hidden(self, multi: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
         return self.hyper_connection_mixer.mix(multi, row_invariant)[0]

@@ -17,8 +17,10 @@ from ..engine.sampling import TokenLogprob, sample_row
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
+from ..model.mtp import MTP
 from ..ops.triton.common import pdl_mode
 from .graph_runner import GraphRunner
+from .mtp_runner import MtpDrafter, MtpRows
 
 log = logging.getLogger("nextserve.runner")
 
@@ -34,6 +36,7 @@ class ChunkResult:
     error: str | None = None
     more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # a window's next tokens
     computed: int | None = None  # a window's committed end (chunk.end when all its drafts held)
+    drafts: tuple[int, ...] = ()  # the MTP block's drafts for the sequence's next window
 
 
 def _describe(exc: BaseException) -> str:
@@ -49,9 +52,16 @@ class ModelRunner:
         states: StateSlots,
         graphs: GraphRunner | None = None,
         pdl: bool = False,
+        mtp: MTP | None = None,
+        draft_tokens: int = 0,
     ) -> None:
+        """`mtp`: the MTP block, to chain up to `draft_tokens` drafts after each step (speculative
+        method mtp)."""
         self.model, self.device, self.pool, self.states, self.graphs = model, device, pool, states, graphs
         self.pdl = pdl
+        self.drafter = None
+        if mtp is not None:
+            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, self.decode_batch)
 
     def decode_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """Host lists of the decode rows: token ids, positions, state slots, block tables."""
@@ -98,11 +108,11 @@ class ModelRunner:
         )
 
     def _prefill(self, ch: Chunk, results: list[ChunkResult]) -> torch.Tensor | None:
-        """The streams of a prefill chunk's last row [1, nH], or None after recording the failure.
+        """The streams of a prefill chunk's rows [n, nH], or None after recording the failure.
 
         # NOTE: a failed forward fails exactly the request in it: each prefill chunk is its own."""
         try:
-            return self.model(self._batch([ch], row_invariant=False))[-1:]
+            return self.model(self._batch([ch], row_invariant=False))
         except Exception as exc:  # noqa: BLE001
             log.exception("prefill forward failed")
             results.append(ChunkResult(ch, error=_describe(exc)))
@@ -119,18 +129,21 @@ class ModelRunner:
     def _execute(self, plan: StepPlan) -> list[ChunkResult]:
         results: list[ChunkResult] = []
         rows, sample_chunks = [], []
+        kept: dict[int, torch.Tensor] = {}  # id(chunk) -> streams of its committed rows, for the MTP
         # NOTE: a prefill chunk runs alone, exactly as in the serial reference; decode rows share
         # one row-invariant forward, so each gets the bits it would get alone (C1).
         for ch in plan.prefills:
-            last = self._prefill(ch, results)
-            if last is None:
+            streams = self._prefill(ch, results)
+            if streams is None:
                 continue
+            if self.drafter is not None:
+                kept[id(ch)] = streams
             if ch.sample:
-                rows.append(last)
+                rows.append(streams[-1:])
                 sample_chunks.append(ch)
             else:
                 results.append(ChunkResult(ch))
-        results += [self._verify(ch) for ch in plan.verifies]
+        results += [self._verify(ch, kept) for ch in plan.verifies]
         logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (logits, argmax or None) parts
         if rows:
             try:
@@ -146,9 +159,42 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001
                 log.exception("decode step failed")
                 results += [ChunkResult(ch, error=_describe(exc)) for ch in plan.decodes]
-        if not sample_chunks:
-            return results
-        return results + self._sample(sample_chunks, logits)
+        if sample_chunks:
+            results += self._sample(sample_chunks, logits)
+        if kept:
+            self._draft(results, kept)
+        return results
+
+    def _draft(self, results: list[ChunkResult], kept: dict[int, torch.Tensor]) -> None:
+        """The MTP rows of every committed chunk whose streams were kept, and the drafts of the sampling
+        sequences without a grammar (into their results). Drafts never change an output, so an MTP
+        failure only loses them (logged)."""
+        items, owners = [], []
+        for r in results:
+            streams = kept.get(id(r.chunk))
+            if r.error is not None or streams is None:
+                continue
+            ch, seq = r.chunk, r.chunk.seq
+            end = ch.end if r.computed is None else r.computed
+            sampled = [] if r.token is None else [r.token] + [t for t, _ in r.more]
+            # the committed rows' input tokens: known ones, then a window's accepted drafts
+            ids = (seq.tokens(ch.start, min(end, seq.num_tokens)) + sampled)[: end - ch.start]
+            chain = 0
+            if sampled and seq.constraint is None:
+                chain = max(0, min(self.drafter.k, seq.token_budget() - end - 1))
+            after = sampled[-1] if sampled else None  # the token after the last committed row
+            rows = streams[: end - ch.start]
+            items.append(MtpRows(seq.cache, ch.start, rows, ids, bool(ch.drafts), after, chain))
+            owners.append(r)
+        if not items:
+            return
+        try:
+            drafts = self.drafter.run(items)
+        except Exception:  # noqa: BLE001 - drafts are a speed-up: their loss changes no output (C1)
+            log.exception("MTP drafting failed")
+            return
+        for r, d in zip(owners, drafts, strict=True):
+            r.drafts = d
 
     def _window(self, ch: Chunk, ids: list[int]) -> ForwardBatch:
         """A verify window's rows: ids at positions ch.start.., one sequence, row-invariant (each row
@@ -158,31 +204,36 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         return ForwardBatch(ids_t, pos, [SeqChunk(ch.seq.cache, ch.start, n)], row_invariant=True)
 
-    def _verify(self, ch: Chunk) -> ChunkResult:
+    def _verify(self, ch: Chunk, kept: dict[int, torch.Tensor]) -> ChunkResult:
         """One verify window (engine/speculative.py): the sequence's last token and its drafts in one
         forward, rows sampled in order until a sampled token differs from its draft; the state is
-        rewound to the last committed position when a draft was rejected."""
+        rewound to the last committed position when a draft was rejected. The committed rows' streams
+        go to `kept` when the MTP drafts."""
         seq, cache = ch.seq, ch.seq.cache
         ids = [seq.token_at(ch.start), *ch.drafts]
         try:
             for p in range(ch.start, ch.end):
                 cache.own_page_at(p)
             before = self.states.copy_out(cache.slot)
-            logits = self.model.logits(self.model(self._window(ch, ids)), row_invariant=True)
+            streams = self.model(self._window(ch, ids))  # [1 + k, nH]
+            logits = self.model.logits(streams, row_invariant=True)
             sampled = []
             for j in range(len(ids)):
                 sampled.append(sample_row(logits[j], seq.params, seq.generator))
                 if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
                     break
-            kept = len(sampled)  # rows whose input is committed: the last token, the accepted drafts
-            if kept < len(ids):
+            n_kept = len(sampled)  # rows whose input is committed: the last token, the accepted drafts
+            if n_kept < len(ids):
                 self.states.copy_in(cache.slot, before)
-                self.model(self._window(ch, ids[:kept]))
+                self.model(self._window(ch, ids[:n_kept]))
+            if self.drafter is not None:
+                # NOTE: the re-run's rows equal these bit for bit (row-invariant windows).
+                kept[id(ch)] = streams[:n_kept]
         except Exception as exc:  # noqa: BLE001 - that request only (C2)
             log.exception("verify window failed")
             return ChunkResult(ch, error=_describe(exc))
         (token, lp), more = sampled[0], sampled[1:]
-        return ChunkResult(ch, token, lp, more=more, computed=ch.start + kept)
+        return ChunkResult(ch, token, lp, more=more, computed=ch.start + n_kept)
 
     def _sample(
         self, chunks: list[Chunk], parts: list[tuple[torch.Tensor, torch.Tensor | None]]

@@ -1,6 +1,7 @@
-"""Traffic between pipeline stages: a standalone Gloo group per stage (no global process group, so
-several engines can live in one process), tensors sent as raw bytes (bit for bit), step messages
-broadcast from stage 0."""
+"""Control traffic between pipeline stages: a standalone Gloo group per stage (no global process group,
+so several engines can live in one process), step messages broadcast from stage 0, host tensors (item
+statuses; activations on the CPU and with --stage-transport host) sent as raw bytes (bit for bit).
+Activations between GPUs go by stage_transport.py."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ class StageChannel:
 
     def __init__(self, rank: int, world: int, port: int) -> None:
         self.rank, self.world = rank, world
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
-        self.group = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+        self.store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world, TIMEOUT)
         self._from_stage0 = dist.BroadcastOptions()
         self._from_stage0.rootRank = 0
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -44,8 +45,9 @@ class StageChannel:
             work.wait()
         self.pending = []
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, pin: bool = False) -> torch.Tensor:
+        """A host tensor from stage src (in pinned memory with `pin`, to be copied on to a GPU)."""
+        buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
         self.group.recv([buf.view(torch.uint8).flatten()], src, 0).wait()
         return buf
 

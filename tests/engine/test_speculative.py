@@ -86,7 +86,7 @@ def test_ngram_speculation_on_repetitive_prompts(tiny_model_dir) -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [{"speculative_method": "mtp"}, {"speculative_method": None}, {"speculative_tokens": 0},
+    "kw", [{"speculative_method": "eagle"}, {"speculative_method": None}, {"speculative_tokens": 0},
            {"speculative_tokens": 33}, {"speculative_tokens": "4"}],
 )  # fmt: skip
 def test_bad_speculative_flags(kw) -> None:

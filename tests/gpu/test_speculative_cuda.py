@@ -1,11 +1,13 @@
 """Speculative decoding on the GPU: a verify window's rows get serial decode's bits (decode replayed as
-CUDA graphs, the window eager), and a speculating engine gives the serial reference's outputs (C1)."""
+CUDA graphs, the window eager), and a speculating engine gives the serial reference's outputs (C1), with
+drafts from an oracle (ngram method) or from the model's MTP block (mtp method)."""
 
 import pytest
 import torch
-from spec_cases import OracleProposer, check_window_rows, same, spec_prompts
+from spec_cases import PY_PROMPT, DraftLog, OracleProposer, check_window_rows, py_prompts, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
+from nextserve.config import DEFAULT_MODEL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,3 +39,64 @@ def test_speculation_gives_the_serial_outputs(small_model_dir, params) -> None:
     )
     same(serial, llm.generate(prompts, params))
     assert llm.stats()["spec_accepted_tokens"] > 0
+
+
+MTP_PARAMS = [
+    SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=5, ignore_eos=True, logprobs=1),
+]
+
+
+@pytest.mark.parametrize("params", MTP_PARAMS, ids=["greedy", "seeded"])
+@pytest.mark.parametrize("dtype,k", [("bfloat16", 1), ("bfloat16", 4), ("float32", 4)])
+def test_mtp_speculation_gives_the_serial_outputs(params, dtype, k) -> None:
+    """The trained default model's MTP drafts (often right, sometimes wrong), three concurrent prompts
+    over several prefill chunks: the serial outputs; decodes replay graphs, windows and the MTP run eager."""
+    prompts, flags = py_prompts(), FLAGS | {"dtype": dtype, "prefill_chunk": 32}
+    serial = LLM(DEFAULT_MODEL, **flags).generate(prompts, params)
+    llm = LLM(DEFAULT_MODEL, speculative_method="mtp", speculative_tokens=k, **flags)
+    same(serial, llm.generate(prompts, params))
+    s = llm.stats()
+    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"], s
+
+
+def test_mtp_speculation_on_a_random_model(small_model_dir) -> None:
+    prompts, params = spec_prompts(), MTP_PARAMS[1]
+    serial = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
+    llm = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, **FLAGS)
+    same(serial, llm.generate(prompts, params))
+    assert llm.stats()["spec_draft_tokens"] > 0
+
+
+def test_mtp_acceptance_on_the_default_model() -> None:
+    """128 greedy tokens after a Python prompt, K=1: the serial tokens, and most drafts accepted (the CPU
+    float32 run accepts 49 of 79; bfloat16 follows another greedy path, so the bound is loose)."""
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    flags = FLAGS | {"prefill_chunk": 64}
+    serial = LLM(DEFAULT_MODEL, **flags).generate([PY_PROMPT], params)
+    llm = LLM(DEFAULT_MODEL, speculative_method="mtp", speculative_tokens=1, **flags)
+    same(serial, llm.generate([PY_PROMPT], params))
+    s = llm.stats()
+    assert s["spec_accepted_tokens"] > 0.4 * s["spec_draft_tokens"], s
+
+
+def test_mtp_with_prefix_reuse_on_cuda(small_model_dir) -> None:
+    """Resumed requests: the serial outputs and the drafts of a cold engine (same as the CPU test)."""
+    base = spec_prompts()[2]
+    prompts = [base, base[:48] + [7, 8, 9], base + [11, 12]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    serial = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
+    cold = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, **FLAGS)
+    warm = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, prefix_cache_images=8,
+               **FLAGS)  # fmt: skip
+    cold_log, warm_log = DraftLog(cold), DraftLog(warm)
+    for p, want in zip(prompts, serial, strict=True):
+        same([want], cold.generate([p], params))
+        same([want], warm.generate([p], params))
+    assert sum(o.cached_tokens for o in warm.generate(prompts[1:], params)) > 0
+    for p in prompts:
+        assert cold_log.of(p) and warm_log.of(p)[: len(cold_log.of(p))] == cold_log.of(p)
+    warm.engine.clear_prefix_cache()
+    s = warm.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"]

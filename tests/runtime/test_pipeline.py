@@ -1,13 +1,16 @@
 """Pipeline stages (one process per layer range, Gloo on the CPU) give the single-device outputs bit
 for bit (C1): tokens, logprobs and top logprobs, greedy and seeded, with chunked prefill and batched
-decode; and the flags that pipelines do not take yet are clear errors."""
+decode; and the flags that pipelines do not take (yet) are clear errors. On GPUs:
+tests/gpu/test_pipeline_cuda.py."""
 
 import pytest
 import torch
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import ConfigError
+from nextserve.cli import build_parser, engine_config_from_args
+from nextserve.config import ConfigError, EngineConfig
 from nextserve.runtime.pipeline import stage_layers
+from nextserve.runtime.stage_transport import NcclTransport
 
 FLAGS = dict(device="cpu", prefill_chunk=16, page_size=16, kv_capacity=4096, max_concurrency=3)
 PARAMS = [
@@ -36,12 +39,15 @@ def test_stage_layers() -> None:
         stage_layers(4, 5)
 
 
-@pytest.mark.parametrize("stages,dtype", [(2, "float32"), (3, "float32"), (2, "bfloat16")])
-def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dtype: str) -> None:
-    """4 requests over 3 slots (one waits), prompts of 2 to 5 chunks; decode steps batch them."""
+@pytest.mark.parametrize(
+    "stages,dtype,transport", [(2, "float32", "auto"), (3, "float32", "auto"), (2, "bfloat16", "host")]
+)
+def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dtype: str, transport) -> None:
+    """4 requests over 3 slots (one waits), prompts of 2 to 5 chunks; decode steps batch them. (On the
+    CPU, `host` is what `auto` picks: the tensors go over Gloo as they are.)"""
     prompts = _prompts()
     one = LLM(str(small_model_dir), dtype=dtype, **FLAGS)
-    split = LLM(str(small_model_dir), dtype=dtype, pipeline_stages=stages, **FLAGS)
+    split = LLM(str(small_model_dir), dtype=dtype, pipeline_stages=stages, stage_transport=transport, **FLAGS)
     try:
         for params in PARAMS:
             _same(one.generate(prompts, params), split.generate(prompts, params))
@@ -61,11 +67,102 @@ def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dty
         ({"pipeline_stages": 9}, "exceeds"),
         ({"pipeline_stages": 2, "prefix_cache_images": 2, "host_state_slots": 2}, "host image store"),
         ({"pipeline_stages": 2, "speculative_method": "ngram"}, "speculation"),
+        ({"pipeline_stages": 2, "stage_transport": "nccl"}, "nccl needs CUDA"),
+        ({"pipeline_stages": 2, "pipeline_devices": "0,1"}, "CUDA devices"),
     ],
 )
 def test_what_pipelines_do_not_take_yet(small_model_dir, kw, match) -> None:
     with pytest.raises(ConfigError, match=match):
         LLM(str(small_model_dir), **FLAGS | kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device auto is the CPU only without CUDA")
+@pytest.mark.parametrize("kw", [{"stage_transport": "nccl"}, {"pipeline_devices": "0,1"}])
+def test_cpu_stages_refuse_gpu_transport_when_auto_picks_the_cpu(small_model_dir, kw) -> None:
+    """device auto resolves to the CPU at engine start; the engine refuses what needs CUDA then."""
+    with pytest.raises(ConfigError, match="Gloo"):
+        LLM(str(small_model_dir), **FLAGS | {"device": "auto", "pipeline_stages": 2} | kw)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"stage_transport": "gloo"}, "stage_transport must be"),
+        ({"stage_transport": "NCCL"}, "stage_transport must be"),
+        ({"stage_transport": ""}, "stage_transport must be"),
+        ({"stage_transport": None}, "stage_transport must be"),
+        ({"stage_transport": "nccl", "device": "cpu"}, "nccl needs CUDA"),
+        ({"pipeline_devices": ""}, "comma-separated"),
+        ({"pipeline_devices": "a,b"}, "comma-separated"),
+        ({"pipeline_devices": "0,,1"}, "comma-separated"),
+        ({"pipeline_devices": "-1,0"}, "comma-separated"),
+        ({"pipeline_devices": "0;1"}, "comma-separated"),
+        ({"pipeline_devices": "0.5,1"}, "comma-separated"),
+        ({"pipeline_devices": "cuda:0,cuda:1"}, "comma-separated"),
+        ({"pipeline_devices": 1}, "comma-separated"),
+        ({"pipeline_devices": [0, "1"]}, "comma-separated"),
+        ({"pipeline_devices": [True, False]}, "comma-separated"),
+        ({"pipeline_devices": "0,0"}, "GPU twice"),
+        ({"pipeline_devices": "0,0", "stage_transport": "nccl"}, "GPU twice"),
+        ({"pipeline_devices": "0"}, "one per stage"),
+        ({"pipeline_devices": "0,1,2"}, "one per stage"),
+        ({"pipeline_devices": "0,1", "pipeline_stages": 1}, "one per stage"),
+        ({"pipeline_devices": "0,1", "device": "cpu"}, "CUDA devices"),
+    ],
+)
+def test_stage_flags_bad_values(kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**{"pipeline_stages": 2, "device": "cuda"} | kw)
+
+
+def test_stage_flags_good_values(monkeypatch) -> None:
+    """pipeline_devices is kept as "i,j" (a list of ints is taken too); stages map to devices by it,
+    else consecutively from --device's index; auto transport is nccl on CUDA, host on the CPU."""
+    c = EngineConfig(device="cuda", pipeline_stages=2, pipeline_devices=" 1, 0 ")
+    assert c.pipeline_devices == "1,0"
+    assert EngineConfig(device="cuda", pipeline_stages=2, pipeline_devices=[1, 0]) == c
+    cpu = EngineConfig(device="cpu", pipeline_stages=3, stage_transport="host")
+    assert cpu.stage_devices() == [torch.device("cpu")] * 3 and cpu.stage_transport_kind() == "host"
+    assert EngineConfig(device="cpu").stage_transport_kind() == "host"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert c.stage_devices() == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    assert c.stage_transport_kind() == "nccl"
+    at2 = EngineConfig(device="cuda:2", pipeline_stages=2, stage_transport="host")
+    assert at2.stage_devices() == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert at2.stage_transport_kind() == "host"
+    assert EngineConfig(device="cuda", pipeline_stages=2).stage_devices()[1] == torch.device("cuda", 1)
+
+
+def test_stage_flags_on_the_command_line() -> None:
+    argv = ["serve", "--pipeline-stages", "2", "--pipeline-devices", "1,0", "--stage-transport", "host"]
+    c = engine_config_from_args(build_parser().parse_args(argv))
+    assert (c.pipeline_stages, c.pipeline_devices, c.stage_transport) == (2, "1,0", "host")
+    argv = ["serve", "--device", "cpu", "--pipeline-stages", "2", "--stage-transport", "nccl"]
+    with pytest.raises(ConfigError, match="nccl needs CUDA"):
+        engine_config_from_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_nccl_routes_each_direction_on_its_own_group(world: int) -> None:
+    """Activations r -> r+1 go on the forward group, logits last -> 0 on the back group (two stages'
+    opposite traffic on one NCCL stream could deadlock); no other traffic exists."""
+    for rank in range(world):
+        t = NcclTransport.__new__(NcclTransport)  # routing only: no NCCL on the CPU
+        t.rank, t.world, t.forward, t.back = rank, world, "forward", "back"
+        if rank < world - 1:
+            assert t._group(rank + 1, sending=True) == "forward"
+        if rank > 0:
+            assert t._group(rank - 1, sending=False) == "forward"
+        if rank == world - 1:
+            assert t._group(0, sending=True) == "back"
+        if rank == 0:
+            assert t._group(world - 1, sending=False) == "back"
+        for peer in set(range(world)) - {rank, rank + 1, 0}:
+            with pytest.raises(ValueError):
+                t._group(peer, sending=True)
+        for peer in set(range(world)) - {rank, rank - 1, world - 1}:
+            with pytest.raises(ValueError):
+                t._group(peer, sending=False)
 
 
 def test_a_failed_forward_fails_its_request_only(small_model_dir, monkeypatch) -> None:

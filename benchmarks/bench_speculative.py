@@ -1,0 +1,121 @@
+"""Speculative decoding against plain decoding, side by side: one prompt, greedy tokens, on engines with
+--speculative-method off, then mtp (or ngram) at each draft width, run in alternating rounds
+(off, K=1, K=2, ... off, K=1, ...) so a shared or throttled machine hits every mode alike. Tokens are
+checked equal to off's (C1).
+
+    python benchmarks/bench_speculative.py                       # default model, CPU, mtp K = 1..4
+
+Prints one JSON object: revision, hardware, command, settings, and per mode the wall seconds of each
+round (prefill + decode of one request), their median, tokens/s at the median, the ratio to off, and the
+drafts proposed and accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve import LLM, SamplingParams  # noqa: E402
+from nextserve.bench.provenance import git_info, hardware  # noqa: E402
+from nextserve.config import DEFAULT_MODEL  # noqa: E402
+
+PROMPT = '''import os
+import sys
+
+
+def read_lines(path):
+    """Return the lines of the file at path."""
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def main(argv):
+    for name in argv[1:]:
+'''
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--method", default="mtp", choices=["mtp", "ngram"])
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4], help="--speculative-tokens values")
+    ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-file", default=None, help="a text file to use as the prompt instead")
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    prompt = Path(a.prompt_file).read_text() if a.prompt_file else PROMPT
+    flags = dict(
+        device=a.device, dtype=a.dtype, prefill_chunk=a.prefill_chunk, kv_capacity=4096, max_concurrency=1
+    )
+    modes = {"off": LLM(a.model, **flags)}
+    for k in a.widths:
+        modes[f"{a.method}-k{k}"] = LLM(a.model, speculative_method=a.method, speculative_tokens=k, **flags)
+    params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+    for llm in modes.values():  # warm-up (allocations, kernels)
+        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    spec: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(a.rounds):
+        for name, llm in modes.items():
+            before = llm.stats()
+            t0 = time.perf_counter()
+            (out,) = llm.generate([prompt], params)
+            walls[name].append(round(time.perf_counter() - t0, 4))
+            s = llm.stats()
+            spec[name].append(
+                (
+                    s["spec_draft_tokens"] - before["spec_draft_tokens"],
+                    s["spec_accepted_tokens"] - before["spec_accepted_tokens"],
+                )
+            )
+            tokens.setdefault(name, out.token_ids)
+            assert out.token_ids == tokens[name], f"{name}: tokens changed between rounds"
+    off_median = statistics.median(walls["off"])
+    figures = {}
+    for name in modes:
+        median = statistics.median(walls[name])
+        drafted, accepted = spec[name][0]
+        figures[name] = {
+            "wall_s": walls[name],
+            "median_wall_s": median,
+            "tokens_per_s": round(a.tokens / median, 2),
+            "speedup_vs_off": round(off_median / median, 3),
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "tokens_equal_off": tokens[name] == tokens["off"],
+        }
+    print(
+        json.dumps(
+            {
+                "benchmark": "bench_speculative",
+                "git": git_info(a.revision),
+                "hardware": hardware(a.device),
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "settings": vars(a) | {"prompt_chars": len(prompt)},
+                "note": "wall time covers prefill + decode of one request; rounds alternate the modes",
+                "modes": figures,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

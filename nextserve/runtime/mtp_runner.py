@@ -1,0 +1,174 @@
+"""MTP drafting on one device, the way vLLM runs it (FLASH_NEXT.md section 2).
+
+The MTP layer is a 13th attention layer: attention index n_qsa, with its own K/V and block-key planes in
+the shared page pool and its own indexer tail in the state slots. MTP row t reads the target's pre-mixer
+streams at t and the embedding of token t+1 and writes the MTP KV at t. After each step the MTP runs its
+rows for every target row committed (the draft "prefill"), then chains greedy drafts from each sampling
+sequence's last committed row; the next schedule checks them in a verify window (engine/speculative.py),
+so whatever they are, outputs do not change (C1).
+
+# NOTE: where the MTP KV at a position comes from, and why it is right when read:
+# - row t runs in the step that commits target row t+1, beside it: a chunk (prefill chunk, or a verify
+#   window's committed rows) at positions s..e-1 runs MTP rows s-1..e-2 with the chunk's own input
+#   tokens, the streams of row s-1 coming from the state slot (StateSlots.mtp_hidden), which then keeps
+#   row e-1's. So the MTP rows committed are 0 .. length-2, each made with committed tokens only, in
+#   position order, exactly as a cold prefill makes them;
+# - the chain writes at length-1 (step 0: the token sampled after the chunk) and on, past what the MTP
+#   committed (so row length-1 runs twice, as step 0 and then committed: one MTP row a step). Like the
+#   target's rejected rows these are position-addressed (KV, block keys) and rewritten by the committed
+#   row of that position before any row at or after it reads them. The indexer tail in the slot is not
+#   position-addressed across blocks (row r is "position r of the open block"), so the chain's tail
+#   writes are undone;
+# - prefix images copy the slot (MTP tail and streams included) and share the pages (MTP planes
+#   included); an image at a chunk end e holds MTP rows 0..e-2, which depend only on its prefix, so a
+#   resumed prompt runs row e-1 with its own token e and gets the very drafts a cold run gets. That row's
+#   page may be shared with the image: the sequence's cache has lag 1 (SequenceCache), so admission's
+#   reserve counts and makes a copy of it, and a snapshot splits it off with a free page (else no image);
+# - plain decode steps (a grammar request, a sequence's last token, a step after an MTP failure) run no
+#   MTP row: that position stays stale, which can only lower acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.sequence import SequenceCache
+from ..cache.states import StateSlots
+from ..config import ModelConfig
+from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
+from ..model.flash_next import FlashNext
+from ..model.loader import load_weights
+from ..model.mtp import MTP
+from ..ops.linear import linear
+
+
+def load_mtp(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MTP:
+    """The directory's MTP block (only the mtp.* tensors are read), projections fused; a ConfigError
+    naming the directory when its checkpoint has none."""
+    weights = load_weights(
+        Path(model_dir), cfg, range(0), with_embed=False, with_head=False, with_mtp=True,
+        dtype=dtype, device=device,
+    )  # fmt: skip
+    with torch.device(device):
+        mtp = MTP(cfg).to(dtype)
+    mtp.load_state_dict({name[len("mtp.") :]: w for name, w in weights.items()}, strict=True)
+    mtp.fuse_projections()
+    return mtp.eval()
+
+
+@dataclass
+class MtpRows:
+    """Target rows one sequence committed in this step, as the MTP takes them."""
+
+    cache: SequenceCache
+    start: int  # position of the first target row
+    streams: torch.Tensor  # [n, nH] the target's pre-mixer streams of the rows
+    ids: list[int]  # [n] the rows' input tokens (committed)
+    row_invariant: bool  # as the target ran them: verify windows yes, prefill chunks no
+    sampled: int | None = None  # the token sampled after the last row, when the chunk sampled one
+    chain: int = 0  # drafts to chain from the last row (0: none)
+
+    @property
+    def end(self) -> int:
+        """The committed end: position of the token after the last row, the next window's start."""
+        return self.start + len(self.ids)
+
+
+class MtpDrafter:
+    def __init__(
+        self,
+        model: FlashNext,
+        mtp: MTP,
+        states: StateSlots,
+        k: int,
+        decode_batch: Callable[[list[int], list[int], list[int], list[list[int]]], DecodeBatch],
+    ) -> None:
+        """k: drafts per window at most; `decode_batch(ids, positions, slots, tables)`: an eager
+        DecodeBatch (ModelRunner's)."""
+        if k <= 0:
+            raise ValueError(f"MTP drafting needs k >= 1, got {k}")
+        self.model, self.mtp, self.states, self.k, self.decode_batch = model, mtp, states, k, decode_batch
+
+    @torch.inference_mode()
+    def run(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
+        """Commits the MTP rows of `items` and returns, per item, its greedy chain of `chain` drafts."""
+        hidden = self.states.mtp_hidden_plane()  # [S, nH]
+        rows = [self._prefill_rows(it, hidden) for it in items]
+        for it, (r_start, streams, ids) in zip(items, rows, strict=True):
+            if not it.row_invariant and ids:  # a prefill chunk's rows: one forward, as the target ran it
+                self._forward([(it.cache, r_start, streams, ids)], False)
+        ri = [(it.cache, *r) for it, r in zip(items, rows, strict=True) if it.row_invariant and r[2]]
+        if ri:  # verify windows' rows: one row-invariant forward, each row's bits as alone
+            self._forward(ri, True)
+        for it in items:
+            hidden[it.cache.slot] = it.streams[-1]
+        heads = [i for i, it in enumerate(items) if it.chain > 0 and it.sampled is not None]
+        drafts: list[tuple[int, ...]] = [()] * len(items)
+        if heads:
+            for i, chain in zip(heads, self._chain([items[i] for i in heads]), strict=True):
+                drafts[i] = chain
+        return drafts
+
+    def _prefill_rows(self, it: MtpRows, hidden: torch.Tensor) -> tuple[int, torch.Tensor, list[int]]:
+        """The committed MTP rows of it: (first position, streams [m, nH], the token after each [m]):
+        rows start-1 .. end-2, row start-1's streams from the slot (none before position 0)."""
+        if it.start == 0:
+            return 0, it.streams[:-1], it.ids[1:]
+        streams = torch.cat([hidden[it.cache.slot][None], it.streams[:-1]])  # [n, nH]
+        return it.start - 1, streams, it.ids
+
+    def _forward(self, rows: list[tuple[SequenceCache, int, torch.Tensor, list[int]]], ri: bool) -> None:
+        """MTP rows (cache, first position, streams, next ids) of several sequences in one forward."""
+        ids, positions, spans = [], [], []
+        for cache, start, _, nxt in rows:
+            ids += nxt
+            positions += range(start, start + len(nxt))
+            spans.append(SeqChunk(cache, start, len(nxt)))
+        dev = rows[0][2].device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        streams = rows[0][2] if len(rows) == 1 else torch.cat([r[2] for r in rows])
+        embed = F.embedding(ids_t, self.model.embed_tokens.weight)  # [T, H]
+        batch = ForwardBatch(ids_t, pos_t, spans, ri)
+        self.mtp(streams, embed, batch, self.model.rope(pos_t, streams.dtype, ri))
+
+    def _greedy(self, multi: torch.Tensor) -> torch.Tensor:
+        """multi_hidden [B, nH] -> each row's greedy draft [B] (the MTP mixer, then the target's lm_head)."""
+        return linear(self.mtp.sample_hidden(multi, True), self.model.lm_head.weight, True).argmax(dim=-1)
+
+    def _chain(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
+        """Greedy chains: step j is one row-invariant decode row per sequence at end - 1 + j, fed the
+        previous step's multi_hidden (step 0: the target's streams of the last row) and token (step 0:
+        the sampled one, then the previous draft)."""
+        multi = torch.cat([it.streams[-1:] for it in items])  # [B, nH]
+        chains: list[list[int]] = [[it.sampled] for it in items]  # the token each step feeds, then drafts
+        active = list(range(len(items)))  # item indices of the rows of multi
+        slots = torch.tensor([it.cache.slot for it in items], dtype=torch.long, device=multi.device)
+        tail = self.states.tail_plane(self.mtp.attn_index)  # [S, c-1, di]
+        saved = tail.index_select(0, slots)
+        try:
+            for j in range(max(it.chain for it in items)):
+                keep = [b for b, i in enumerate(active) if items[i].chain > j]
+                if len(keep) < len(active):
+                    multi = multi.index_select(0, torch.tensor(keep, dtype=torch.long, device=multi.device))
+                    active = [active[b] for b in keep]
+                rows = [items[i] for i in active]
+                positions = [it.end - 1 + j for it in rows]
+                for it, p in zip(rows, positions, strict=True):
+                    it.cache.own_page_at(p)  # inside what admission reserved: p <= end + chain - 2
+                slot_ids, tables = [it.cache.slot for it in rows], [it.cache.block_table for it in rows]
+                batch = self.decode_batch([chains[i][-1] for i in active], positions, slot_ids, tables)
+                embed = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [B, H]
+                rope = self.model.rope(batch.positions, multi.dtype, True)
+                multi = self.mtp.decode(multi, embed, batch, rope)
+                for i, d in zip(active, self._greedy(multi).tolist(), strict=True):
+                    chains[i].append(d)
+        finally:
+            # NOTE: the chain's tail rows belong to positions past the committed ones (see the NOTE above).
+            tail.index_copy_(0, slots, saved)
+        return [tuple(c[1:]) for c in chains]

@@ -1,0 +1,136 @@
+"""How activations (and the last stage's logits) cross pipeline stages (--stage-transport):
+
+- `host`: through host memory over the stages' Gloo group (stage_channel.py). On the CPU the tensors are
+  sent as they are; from a GPU they are copied to pinned host memory first and on to the next stage's
+  GPU after (GPUs without peer access).
+- `nccl`: GPU to GPU over standalone NCCL groups built from the stages' store (no global process group,
+  so several engines can live in one process).
+
+Either way a tensor is sent as its raw bytes, so it arrives bit for bit (C1). Item statuses and step
+messages stay on Gloo (StageChannel).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .stage_channel import TIMEOUT, StageChannel
+
+log = logging.getLogger("nextserve.pipeline")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).flatten()
+
+
+class HostTransport:
+    """Activations through host memory over the stages' Gloo group."""
+
+    def __init__(self, channel: StageChannel, device: torch.device) -> None:
+        self.channel, self.device = channel, device
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            # NOTE: Gloo reads the host buffer on its own thread, so the copy must be done first.
+            torch.cuda.current_stream(t.device).synchronize()
+            t = host
+        self.channel.send(t, dst)  # the channel keeps the buffer until `flush`
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return self.channel.recv(shape, dtype, src)
+        # NOTE: the pinned buffer may be freed at once: torch's host allocator does not reuse it before
+        # the copy (queued on the current stream) is done.
+        return self.channel.recv(shape, dtype, src, pin=True).to(self.device, non_blocking=True)
+
+    def flush(self) -> None:
+        """The channel's sends (StageWorker flushes the channel itself)."""
+
+    def close(self) -> None:
+        pass
+
+
+def _nccl_group(store: dist.Store, prefix: str, rank: int, world: int) -> dist.ProcessGroupNCCL:
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = TIMEOUT
+    return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world, opts)
+
+
+class NcclTransport:
+    """Activations GPU to GPU over NCCL: stage r sends to r+1 on the `forward` group, the last stage
+    sends logits to stage 0 on the `back` group.
+
+    # NOTE: two groups, because NCCL runs a communicator's sends and receives in order on one stream. On
+    # one group, with two stages, stage 0's stream would hold [send item 1, send item 2, recv logits 1]
+    # and stage 1's [recv item 1, send logits 1, recv item 2]: send item 2 and send logits 1 would wait on
+    # each other. With two groups each direction has its own communicator and stream, and on each one
+    # the two sides post their operations in the same order (items in step order)."""
+
+    def __init__(self, channel: StageChannel, device: torch.device) -> None:
+        if not dist.is_nccl_available():
+            raise RuntimeError("this torch build has no NCCL: use --stage-transport host")
+        self.rank, self.world, self.device = channel.rank, channel.world, device
+        self.forward = _nccl_group(channel.store, "nccl_forward", self.rank, self.world)
+        self.back = _nccl_group(channel.store, "nccl_back", self.rank, self.world)
+        self.pending: list[dist.Work] = []
+        self._connect()
+
+    def _connect(self) -> None:
+        """Create every communicator now, in an order without cycles (stage 0 -> 1 -> ... -> last -> 0):
+        NCCL creates a pair's communicator at its first send/recv, blocking both stages until both
+        are there, which in the middle of a step could wait on a stage that waits on something else."""
+        one = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        last = self.world - 1
+        if self.rank > 0:
+            self.recv((1,), torch.uint8, self.rank - 1)
+        if self.rank < last:
+            self.send(one, self.rank + 1)
+        else:
+            self.send(one, 0)
+        if self.rank == 0:
+            self.recv((1,), torch.uint8, last)
+        self.flush()
+        torch.cuda.synchronize(self.device)
+
+    def _group(self, peer: int, sending: bool) -> dist.ProcessGroupNCCL:
+        ahead = peer == self.rank + 1 if sending else peer == self.rank - 1
+        if ahead:
+            return self.forward
+        last = self.world - 1
+        logits = (self.rank, peer) == ((last, 0) if sending else (0, last))
+        if not logits:
+            raise ValueError(f"stage {self.rank} has no traffic with stage {peer}")
+        return self.back
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Queued on the group's stream after the work queued so far; not waited for here (`flush`)."""
+        self.pending.append(self._group(dst, True).send([_raw(t)], dst, 0))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        # NOTE: wait() makes the current stream wait for the receive; the host goes on.
+        self._group(src, False).recv([_raw(buf)], src, 0).wait()
+        return buf
+
+    def flush(self) -> None:
+        """The current stream waits for every send started (so the next step's writes come after)."""
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    def close(self) -> None:
+        """Tear the communicators down (after the last step: nothing is in flight)."""
+        for group in (self.forward, self.back):
+            try:  # abort: local, never waits on a peer (which may have exited already)
+                (getattr(group, "abort", None) or group.shutdown)()
+            except Exception as exc:  # noqa: BLE001 - the process is ending anyway
+                log.warning("NCCL group teardown: %s", exc)
+
+
+def make_transport(kind: str, channel: StageChannel, device: torch.device) -> HostTransport | NcclTransport:
+    return NcclTransport(channel, device) if kind == "nccl" else HostTransport(channel, device)

@@ -1,0 +1,160 @@
+"""What every pipeline stage runs each step (runtime/pipeline.py): the step message the driver broadcasts,
+and a stage's share of it, its layers over the step's batches on its own planes and device, each item's
+streams passed on to the next stage (the last stage's logits to stage 0)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from ..cache.sequence import SequenceCache
+from ..cache.states import StateSlots
+from ..model.batch import ForwardBatch, SeqChunk
+from ..model.flash_next import FlashNext
+from ..ops.triton.common import pdl_mode
+from .runner import ModelRunner
+from .stage_channel import StageChannel
+from .stage_transport import HostTransport, NcclTransport
+
+log = logging.getLogger("nextserve.pipeline")
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    slot: int
+    table: list[int]
+    start: int
+    ids: list[int]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+
+
+@dataclass(frozen=True)
+class StageStep:
+    ops: list[tuple]  # the driver's cache operations since the last step (StageMirror), in order
+    prefills: list[PrefillWork]
+    decode: DecodeWork | None
+
+
+class StageWorker(ModelRunner):
+    """A stage's share of each step: its layers over the step's batches, on its own planes and device."""
+
+    def __init__(
+        self, model: FlashNext, pool: KVPool, slots: StateSlots, channel: StageChannel,
+        transport: HostTransport | NcclTransport, device: torch.device, pdl: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(model, device, pool, slots, pdl=pdl)
+        self.channel, self.transport = channel, transport
+        self.nH = model.cfg.hc_hidden
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}  # this stage's prefix-image slot states
+
+    def _apply(self, ops: list[tuple]) -> None:
+        """Repeat the driver's cache operations on this stage's planes (stage 0 did them itself)."""
+        for op, *args in ops:
+            if op == "copy_page":
+                self.pool.copy_page(*args)
+            elif op == "save":
+                key, slot = args
+                self.saved[key] = self.states.copy_out(slot)
+            elif op == "load":
+                key, slot = args
+                self.states.copy_in(slot, self.saved[key])
+            else:  # drop
+                self.saved.pop(args[0], None)
+
+    # NOTE: every stage sends every item (a prefill chunk, the decode batch) on, a status first, so the
+    # stages stay in step when one fails (C2): a stage whose forward raised, or whose input came marked
+    # failed, sends "failed" and zeros. The last stage sends each item's status to stage 0, then the
+    # logits of its sampling rows (zeros when failed); stage 0 fails that item's requests only. Statuses
+    # go over Gloo (host), the tensors by the transport, each in item order.
+    def _stream_in(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
+        r = self.channel.rank
+        if r == 0:
+            return None, True
+        ok = bool(self.channel.recv((1,), torch.int8, r - 1)[0])
+        return self.transport.recv((rows, self.nH), dtype, r - 1), ok
+
+    def _item(self, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """Run one item through this stage (forward(x_in) -> streams) and send it on."""
+        r, last = self.channel.rank, self.channel.world - 1
+        x_in, ok = self._stream_in(rows, dtype)
+        x = logits = None
+        if ok:
+            try:
+                x = forward(x_in)
+                if r == last and sample_rows is not None:
+                    logits = self.model.logits(x[sample_rows], row_invariant=True)
+            except Exception:  # noqa: BLE001 - that item's requests only (C2)
+                log.exception("pipeline stage %d: forward failed", r)
+                ok = False
+        status = torch.tensor([int(ok)], dtype=torch.int8)
+        if r < last:
+            self.channel.send(status, r + 1)
+            self.transport.send(x if ok else self._zeros(rows, self.nH, dtype), r + 1)
+            return
+        self.channel.send(status, 0)
+        if sample_rows is not None:
+            V = self.model.cfg.vocab_size
+            self.transport.send(logits if ok else self._zeros(len(sample_rows), V, dtype), 0)
+
+    def _zeros(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(rows, cols, dtype=dtype, device=self.device)
+
+    def run(self, step: StageStep, dtype: torch.dtype) -> None:
+        with pdl_mode(self.pdl), torch.inference_mode():
+            self._run(step, dtype)
+        if self.channel.rank:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for this step's sends (Gloo's on the host; NCCL's: the current stream waits for them)."""
+        self.channel.flush()
+        self.transport.flush()
+
+    def _run(self, step: StageStep, dtype: torch.dtype) -> None:
+        dev = self.device
+        if self.channel.rank:
+            self._apply(step.ops)
+        for w in step.prefills:
+            if w.start == 0:
+                self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
+            cache = SequenceCache(self.pool, self.states, slot=w.slot, block_table=w.table)
+            n = len(w.ids)
+            ids = torch.tensor(w.ids, dtype=torch.long, device=dev)
+            pos = torch.arange(w.start, w.start + n, device=dev)
+            batch = ForwardBatch(ids, pos, [SeqChunk(cache, w.start, n)], False)
+            sample_rows = torch.tensor([n - 1], device=dev) if w.sample else None
+            self._item(lambda x, b=batch: self.model(b, x), n, sample_rows, dtype)
+        if step.decode is not None:
+            d = step.decode
+            n = len(d.ids)
+
+            # NOTE: eager on GPUs too, for now; a replay would give the same bits (every decode op is
+            # row-invariant, tests/gpu/test_cuda_graphs.py). Graphs of a stage's layer range (a
+            # GraphRunner whose step reads the previous stage's streams from a static buffer) must
+            # mind two things a single device does not: (1) the output is a static buffer that the
+            # next replay overwrites while an NCCL send of it may still be queued (flush, which makes
+            # the stream wait for the sends, has to come before the next replay: it does today);
+            # (2) GraphRunner fills pinned host buffers copied asynchronously, and a stage's host
+            # never waits for its GPU, so it could refill them before the last copy ran (wait on an
+            # event recorded after each copy before refilling).
+            def decode(x: torch.Tensor | None) -> torch.Tensor:
+                return self.model.decode(self.decode_batch(d.ids, d.positions, d.slots, d.tables), x)
+
+            self._item(decode, n, torch.arange(n, device=dev), dtype)
+
+
+def on_device(device: torch.device):
+    """Make `device` the current CUDA device (Triton launches and NCCL streams follow it)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

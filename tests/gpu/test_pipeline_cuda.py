@@ -1,0 +1,119 @@
+"""Pipeline stages on GPUs (one process and one GPU per stage; activations GPU to GPU over NCCL, or
+through pinned host memory over Gloo) give the single-GPU engine's outputs bit for bit (C1): token ids,
+logprobs and top logprobs, greedy and seeded, several concurrent requests, prompts of several prefill
+chunks, with and without prefix reuse; and every page and slot comes back (C2).
+
+Run on a machine with 2 or more GPUs: python -m pytest -q -m gpu tests/gpu/test_pipeline_cuda.py
+"""
+
+from functools import cache
+
+import pytest
+import torch
+
+from nextserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+FLAGS = dict(device="cuda", prefill_chunk=16, page_size=16, kv_capacity=4096, max_concurrency=3)
+PARAMS = [
+    SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=16, temperature=0.8, top_k=30, seed=3, ignore_eos=True, logprobs=1),
+]
+
+
+def _prompts() -> list[list[int]]:
+    """5 requests over 3 slots (two wait), prompts of 1 to 10 chunks of 16."""
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(8, 250, (n,), generator=g).tolist() for n in (37, 45, 70, 9, 150)]
+
+
+@cache
+def _single_gpu(model_dir: str, dtype: str) -> tuple:
+    """The single-GPU engine's outputs (cuda:0, decode as CUDA graphs) for each of PARAMS."""
+    one = LLM(model_dir, dtype=dtype, **FLAGS)
+    return tuple(tuple(one.generate(_prompts(), p)) for p in PARAMS)
+
+
+def _same(want, got) -> None:
+    for x, y in zip(want, got, strict=True):
+        assert y.finish_reason == x.finish_reason and y.error is None
+        assert x.token_ids == y.token_ids
+        assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
+        assert [lp.top for lp in x.logprobs] == [lp.top for lp in y.logprobs]
+
+
+def _pool_full(llm: LLM) -> None:
+    s = llm.stats()
+    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_two_stages_on_one_gpu_through_host_memory(small_model_dir, dtype: str) -> None:
+    """Both stages on cuda:0 (two processes), activations through pinned host memory: the stage code on
+    a GPU (placement, copies, the host transport) gives the single-GPU outputs; runs on one GPU."""
+    want = _single_gpu(str(small_model_dir), dtype)
+    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport="host")
+    split = LLM(str(small_model_dir), dtype=dtype, **flags, **FLAGS)
+    try:
+        for params, expected in zip(PARAMS, want, strict=True):
+            _same(expected, split.generate(_prompts(), params))
+        _pool_full(split)
+    finally:
+        split.close()
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("transport", ["nccl", "host"])
+def test_gpu_stages_give_the_single_gpu_outputs(small_model_dir, transport: str, dtype: str) -> None:
+    want = _single_gpu(str(small_model_dir), dtype)
+    split = LLM(str(small_model_dir), dtype=dtype, pipeline_stages=2, stage_transport=transport, **FLAGS)
+    try:
+        assert split.engine.device == torch.device("cuda", 0)
+        assert split.engine.model.layer_range == range(0, 4)  # stage 0 holds only its own layers
+        for params, expected in zip(PARAMS, want, strict=True):
+            _same(expected, split.generate(_prompts(), params))
+        _pool_full(split)
+    finally:
+        split.close()
+    assert split.engine.runner.procs == []
+    split.close()  # idempotent
+
+
+@two_gpus
+def test_pipeline_devices_map_stages_to_gpus(small_model_dir) -> None:
+    """Stage 0 (the driver) on cuda:1, stage 1 on cuda:0: the same outputs as one GPU."""
+    want = _single_gpu(str(small_model_dir), "bfloat16")
+    split = LLM(str(small_model_dir), dtype="bfloat16", pipeline_stages=2, pipeline_devices="1,0", **FLAGS)
+    try:
+        assert split.engine.device == torch.device("cuda", 1)
+        assert split.engine.pool.k.device == torch.device("cuda", 1)
+        _same(want[0], split.generate(_prompts(), PARAMS[0]))
+        _pool_full(split)
+    finally:
+        split.close()
+
+
+@two_gpus
+@pytest.mark.parametrize("images", [8, 1])
+def test_prefix_reuse_through_gpu_stages(small_model_dir, images: int) -> None:
+    """Requests resumed from prefix images (each stage restores its own part of the slot state on its
+    GPU; shared pages are copied on write in every stage) give the single-GPU outputs; with one image
+    kept, images are dropped and replaced as requests come."""
+    base = _prompts()[2]
+    prompts = [base, base[:48] + [7, 8, 9], base + [11, 12], base[:33], base]
+    params = PARAMS[0]
+    flags = FLAGS | dict(dtype="bfloat16")
+    one = LLM(str(small_model_dir), **flags)
+    want = [one.generate([p], params)[0] for p in prompts]
+    split = LLM(str(small_model_dir), pipeline_stages=2, prefix_cache_images=images, **flags)
+    try:
+        got = [split.generate([p], params)[0] for p in prompts]  # one at a time: later ones resume
+        _same(want, got)
+        assert sum(o.cached_tokens for o in got) > 0
+        split.engine.clear_prefix_cache()
+        _pool_full(split)
+    finally:
+        split.close()
