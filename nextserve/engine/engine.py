@@ -142,9 +142,9 @@ class LLMEngine:
         c, L = self.config, self.model_config.num_hidden_layers
         if model is not None:
             raise ConfigError("pipeline stages load their own layers' weights from --model")
-        if c.host_state_slots or c.speculative_method != "off":
+        if c.host_state_slots or c.speculative_method == "mtp":
             raise ConfigError(
-                "pipeline stages do not run with the host image store or speculation yet (CPU or GPU)"
+                "pipeline stages do not run with the host image store or MTP speculation yet (CPU or GPU)"
             )
         if c.pipeline_stages > L:
             raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")

@@ -28,6 +28,7 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..cache.states import KindRange, StateSlots
 from ..config import EngineConfig, ModelConfig
+from ..engine.sampling import sample_row
 from ..engine.scheduler import StepPlan
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
@@ -35,9 +36,10 @@ from .runner import ChunkResult, _describe
 from .stage_channel import StageChannel, free_port
 from .stage_mirror import StageMirror
 from .stage_transport import make_transport
-from .stage_worker import DecodeWork, PrefillWork, StageStep, StageWorker, on_device
+from .stage_worker import DecodeWork, PrefillWork, RewindWork, StageStep, StageWorker, WindowWork, on_device
 
 log = logging.getLogger("nextserve.pipeline")
+FAILED = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -130,8 +132,6 @@ class PipelineRunner(StageWorker):
         self.dtype = dtype
 
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
-        if plan.verifies:
-            raise RuntimeError("verify windows are not run by pipeline stages yet")
         with on_device(self.device):
             return self._drive(plan)
 
@@ -145,25 +145,35 @@ class PipelineRunner(StageWorker):
         if plan.decodes:
             ids, positions, slots, tables = self.decode_inputs(plan.decodes)
             decode = DecodeWork(ids, positions, slots, [list(t) for t in tables])
-        step = StageStep(self.mirror.take(), prefills, decode)
+        windows = []
+        for ch in plan.verifies:
+            for p in range(ch.start, ch.end):
+                ch.seq.cache.own_page_at(p)  # copy-on-write before the step's ops are taken
+            ids = [ch.seq.token_at(ch.start), *ch.drafts]
+            windows.append(WindowWork(ch.seq.cache.slot, list(ch.seq.cache.block_table), ch.start, ids))
+        step = StageStep(self.mirror.take(), prefills, decode, tuple(windows))
         self.channel.broadcast(step)
         self.run(step, self.dtype)
         rows, chunks, results = [], [], []
-        V, last = self.model.cfg.vocab_size, self.channel.world - 1
-        failed = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
-        items = [([ch], ch.sample) for ch in plan.prefills] + ([(plan.decodes, True)] if plan.decodes else [])
+        # NOTE: items come back in the order every stage runs them: windows, prefill chunks, the decode
+        items = [([ch], len(w.ids)) for ch, w in zip(plan.verifies, windows, strict=True)]
+        items += [([ch], 1 if ch.sample else 0) for ch in plan.prefills]
+        items += [(plan.decodes, len(plan.decodes))] if plan.decodes else []
+        window_logits = {}
         with torch.inference_mode():
-            for item, sample in items:
-                ok = bool(self.channel.recv((1,), torch.int8, last)[0])
-                logits = self.transport.recv((len(item), V), self.dtype, last) if sample else None
+            for item, n_rows in items:
+                ok, logits = self._receive(n_rows)
                 if not ok:
-                    results += [ChunkResult(ch, error=failed) for ch in item]
-                elif sample:
+                    results += [ChunkResult(ch, error=FAILED) for ch in item]
+                elif item[0] in plan.verifies:
+                    window_logits[id(item[0])] = logits
+                elif n_rows:
                     rows.append(logits)
                     chunks += item
                 else:
                     results += [ChunkResult(ch) for ch in item]
         self.flush()
+        results += self._verify_windows(plan.verifies, windows, window_logits)
         if not chunks:
             return results
         try:
@@ -171,6 +181,51 @@ class PipelineRunner(StageWorker):
         except Exception as exc:  # noqa: BLE001
             log.exception("sampling failed")
             return results + [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+
+    def _receive(self, n_rows: int) -> tuple[bool, torch.Tensor | None]:
+        """One item's status from the last stage, and its n_rows logits rows (none: n_rows == 0)."""
+        last = self.channel.world - 1
+        ok = bool(self.channel.recv((1,), torch.int8, last)[0])
+        V = self.model.cfg.vocab_size
+        return ok, self.transport.recv((n_rows, V), self.dtype, last) if n_rows else None
+
+    def _verify_windows(self, chunks, windows: list[WindowWork], logits: dict) -> list[ChunkResult]:
+        """Sample each window's rows in order until one differs from its draft (ModelRunner._verify's
+        rule); windows with a rejected draft are rewound in every stage by a second step (the state
+        from before the window restored, the committed rows run again)."""
+        results, rewinds, rewound = [], [], []
+        for ch, w in zip(chunks, windows, strict=True):
+            if id(ch) not in logits:
+                continue  # failed in a stage: reported already
+            seq, sampled = ch.seq, []
+            try:
+                for j in range(len(w.ids)):
+                    sampled.append(sample_row(logits[id(ch)][j], seq.params, seq.generator))
+                    if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
+                        break
+            except Exception as exc:  # noqa: BLE001 - that request only (C2)
+                log.exception("sampling a verify window failed")
+                results.append(ChunkResult(ch, error=_describe(exc)))
+                continue
+            kept = len(sampled)
+            (token, lp), more = sampled[0], sampled[1:]
+            result = ChunkResult(ch, token, lp, more=more, computed=ch.start + kept)
+            if kept < len(w.ids):
+                rewinds.append(RewindWork(w.slot, w.table, w.start, w.ids[:kept]))
+                rewound.append(result)
+            else:
+                results.append(result)
+        if not rewinds:
+            return results
+        step = StageStep(self.mirror.take(), [], None, (), tuple(rewinds))
+        self.channel.broadcast(step)
+        self.run(step, self.dtype)
+        with torch.inference_mode():
+            for result in rewound:
+                ok, _ = self._receive(0)
+                results.append(result if ok else ChunkResult(result.chunk, error=FAILED))
+        self.flush()
+        return results
 
     def close(self) -> None:
         """Stop the stage processes (idempotent)."""

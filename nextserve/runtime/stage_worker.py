@@ -41,10 +41,39 @@ class DecodeWork:
 
 
 @dataclass(frozen=True)
+class WindowWork:
+    """A verify window (engine/speculative.py): one sequence's last token and drafts, row-invariant, every
+    row's logits to stage 0; each stage keeps its slot state from before it (`WINDOW_KEY`)."""
+
+    slot: int
+    table: list[int]
+    start: int
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class RewindWork:
+    """After a rejected draft: the slot state from before the window restored, its committed rows
+    (`ids`, from `start`) run again; no logits."""
+
+    slot: int
+    table: list[int]
+    start: int
+    ids: list[int]
+
+
+@dataclass(frozen=True)
 class StageStep:
     ops: list[tuple]  # the driver's cache operations since the last step (StageMirror), in order
     prefills: list[PrefillWork]
     decode: DecodeWork | None
+    windows: tuple[WindowWork, ...] = ()
+    rewinds: tuple[RewindWork, ...] = ()
+
+
+def window_key(slot: int) -> tuple[str, int]:
+    """The key of a slot's state saved before its verify window (in `StageWorker.saved`)."""
+    return ("window", slot)
 
 
 class StageWorker(ModelRunner):
@@ -122,10 +151,31 @@ class StageWorker(ModelRunner):
         self.channel.flush()
         self.transport.flush()
 
+    def _chunk(self, slot: int, table: list[int], start: int, ids: list[int], ri: bool) -> ForwardBatch:
+        cache = SequenceCache(self.pool, self.states, slot=slot, block_table=table)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)
+        return ForwardBatch(ids_t, pos, [SeqChunk(cache, start, len(ids))], ri)
+
     def _run(self, step: StageStep, dtype: torch.dtype) -> None:
         dev = self.device
         if self.channel.rank:
             self._apply(step.ops)
+        # NOTE: a rewind restores the state its window saved in the step before (each stage its own
+        # share) and runs the window's committed rows again, as ModelRunner._verify does on one device.
+        # The class's copy_out/copy_in, not the instance's: on the driver those are StageMirror's, which
+        # would have every stage repeat them in the next step (after its own rewind).
+        for w in step.rewinds:
+            StateSlots.copy_in(self.states, w.slot, self.saved.pop(window_key(w.slot)))
+            batch = self._chunk(w.slot, w.table, w.start, w.ids, True)
+            self._item(lambda x, b=batch: self.model(b, x), len(w.ids), None, dtype)
+        for key in [k for k in self.saved if isinstance(k, tuple)]:  # windows whose drafts all held
+            del self.saved[key]
+        for w in step.windows:
+            self.saved[window_key(w.slot)] = StateSlots.copy_out(self.states, w.slot)
+            n = len(w.ids)
+            batch = self._chunk(w.slot, w.table, w.start, w.ids, True)
+            self._item(lambda x, b=batch: self.model(b, x), n, torch.arange(n, device=dev), dtype)
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)

@@ -66,7 +66,7 @@ def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dty
         ({"pipeline_stages": 0}, "pipeline_stages"),
         ({"pipeline_stages": 9}, "exceeds"),
         ({"pipeline_stages": 2, "prefix_cache_images": 2, "host_state_slots": 2}, "host image store"),
-        ({"pipeline_stages": 2, "speculative_method": "ngram"}, "speculation"),
+        ({"pipeline_stages": 2, "speculative_method": "mtp"}, "MTP speculation"),
         ({"pipeline_stages": 2, "stage_transport": "nccl"}, "nccl needs CUDA"),
         ({"pipeline_stages": 2, "pipeline_devices": "0,1"}, "CUDA devices"),
     ],
@@ -210,5 +210,45 @@ def test_prefix_reuse_through_stages(small_model_dir, images: int) -> None:
         assert {op[0] for op in split.engine.runner.mirror.ops} == {"drop"}  # sent with the next step
         s = split.stats()
         assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize(
+    "stages,k,wrong,images",
+    [
+        (2, 4, lambda i: False, 0),
+        (2, 3, lambda i: i % 4 == 2, 0),
+        (3, 5, lambda i: i % 3 == 0, 0),
+        (2, 3, lambda i: True, 0),
+        (3, 3, lambda i: i % 4 == 1, 4),
+    ],
+    ids=["2-all-right", "2-some-wrong", "3-some-wrong", "2-all-wrong", "3-images"],
+)
+def test_speculation_through_stages(small_model_dir, stages: int, k: int, wrong, images: int) -> None:
+    """n-gram speculation with stages: verify windows run through every stage, rejected drafts are rewound
+    in every stage (each restores its share of the slot state and runs the committed rows again); the
+    outputs equal one process's serial decode, greedy and seeded, and the pool is full again. With
+    images kept, the second pass over the prompts resumes from the first pass's prefix images."""
+    from spec_cases import OracleProposer
+
+    prompts = _prompts()
+    one = LLM(str(small_model_dir), dtype="float32", **FLAGS)
+    split = LLM(str(small_model_dir), dtype="float32", pipeline_stages=stages, speculative_method="ngram",
+                speculative_tokens=k, prefix_cache_images=images, **FLAGS)  # fmt: skip
+    try:
+        for params in PARAMS:
+            serial = one.generate(prompts, params)
+            split.engine.scheduler.proposer = OracleProposer(prompts, [o.token_ids for o in serial], k, wrong)
+            _same(serial, split.generate(prompts, params))
+        if images:  # resumed once more, with the seeded run's drafts (mostly wrong for greedy)
+            got = split.generate(prompts, PARAMS[0])
+            _same(one.generate(prompts, PARAMS[0]), got)
+            assert sum(o.cached_tokens for o in got) > 0
+            split.engine.clear_prefix_cache()
+        s = split.stats()
+        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        assert s["spec_draft_tokens"] > 0
+        assert (s["spec_accepted_tokens"] == 0) == (wrong(0) and wrong(1))
     finally:
         split.close()
