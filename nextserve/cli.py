@@ -43,6 +43,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "the host image store or speculation yet)",
     "pipeline_devices": "CUDA device indices of the stages, comma-separated, one per stage (e.g. 1,0); "
     "default: consecutive from --device's index (cuda: 0,1,...)",
+    "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "
+    "groups that circulate through the stages, each group's next token sent in as soon as it is sampled, "
+    "up to this many tokens a step, so every stage works (outputs unchanged)",
     "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
     "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "

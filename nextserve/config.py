@@ -280,6 +280,7 @@ class EngineConfig:
     speculative_tokens: int = 4  # draft tokens per verify window at most
     pipeline_stages: int = 1  # processes the layers are split across, one device each
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
+    decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
     host_kv_mib: int = 4096  # host memory the host image store may use
@@ -289,7 +290,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("prefill_chunk", "max_concurrency", "page_size", "max_pending", "pipeline_stages"):
+        ints = ("prefill_chunk", "max_concurrency", "page_size", "max_pending", "pipeline_stages")
+        ints += ("decode_groups",)
+        for name in ints:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.kv_capacity != "auto" and (not isinstance(self.kv_capacity, int) or self.kv_capacity <= 0):
@@ -317,6 +320,10 @@ class EngineConfig:
 
     def _check_stage_flags(self) -> None:
         """stage_transport and pipeline_devices (normalised to "i,j,..." when given as a list of ints)."""
+        if self.decode_groups > 1 and self.pipeline_stages < 2:
+            raise ConfigError("decode_groups > 1 keeps pipeline stages busy: it needs pipeline_stages > 1")
+        if self.decode_groups > 64:
+            raise ConfigError(f"decode_groups must be at most 64, got {self.decode_groups!r}")
         if self.stage_transport not in ("auto", "nccl", "host"):
             raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
         if self.device == "cpu" and self.stage_transport == "nccl":

@@ -5,7 +5,7 @@ eagerly (no CUDA graphs in stages yet).
 
 # NOTE: the engine process is stage 0 and the driver: its scheduler allocates state slots and KV pages
 # for every stage, since each stage holds its own layers' planes of the same sizes, indexed alike. A
-# step is broadcast as a `StageStep` (each chunk's slot, block table, positions and token ids); every
+# step is sent as a `StageStep` (each chunk's slot, block table, positions and token ids); every
 # stage rebuilds the same batches on its own planes (stage_worker.py). Activations cross stages as raw
 # bytes (over Gloo, through host memory, or GPU to GPU over NCCL: stage_transport.py), so they arrive
 # bit for bit (C1): a split model gives the whole model's logits exactly (tests/model/test_stages.py,
@@ -20,7 +20,8 @@ import logging
 import pickle
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,9 +30,10 @@ from ..cache.kv_pool import KVPool
 from ..cache.states import KindRange, StateSlots
 from ..config import EngineConfig, ModelConfig
 from ..engine.sampling import sample_row
-from ..engine.scheduler import StepPlan
+from ..engine.scheduler import Chunk, StepPlan
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
+from .decode_rounds import DecodeRounds, DecodeRow
 from .runner import ChunkResult, _describe
 from .stage_channel import StageChannel, free_port
 from .stage_mirror import StageMirror
@@ -93,7 +95,7 @@ def build_stage(
 
 
 class PipelineRunner(StageWorker):
-    """Stage 0 and the driver: broadcasts each step, runs stage 0's share, receives the last stage's
+    """Stage 0 and the driver: sends each step to the stages, runs stage 0's share, receives the last stage's
     logits and samples them (the single-device runner's sampling)."""
 
     def __init__(
@@ -128,6 +130,8 @@ class PipelineRunner(StageWorker):
             raise
         super().__init__(model, pool, slots, channel, transport, devices[0], config.pdl)
         self.mirror = StageMirror(pool, slots)
+        self.decode_groups = config.decode_groups
+        self.kept: list[int] = []  # slots of windows resolved without a rewind, not yet told the stages
         self.channel.broadcast(None)  # every stage is built
         self.dtype = dtype
 
@@ -135,45 +139,70 @@ class PipelineRunner(StageWorker):
         with on_device(self.device):
             return self._drive(plan)
 
+    def _launch(self, step: StageStep) -> None:
+        """Send a step to every stage and run stage 0's share of it (its items then travel on). It carries
+        the windows resolved since the last launch that need no rewind (their saved states dropped)."""
+        if self.kept:
+            step = replace(step, kept=tuple(self.kept))
+            self.kept = []
+        self.channel.send_step(step)
+        self.run(step, self.dtype)
+
     def _drive(self, plan: StepPlan) -> list[ChunkResult]:
+        """Launch the step's items, then take back what the last stage returns, in launch order: verify
+        windows (a rejected draft launches a rewind), prefill chunks, and decode groups (each group's
+        next round launched as soon as its tokens are sampled)."""
         prefills = [
             PrefillWork(ch.seq.cache.slot, list(ch.seq.cache.block_table), ch.start,
                         ch.seq.tokens(ch.start, ch.end), ch.sample)
             for ch in plan.prefills
         ]  # fmt: skip
-        decode = None
-        if plan.decodes:
-            ids, positions, slots, tables = self.decode_inputs(plan.decodes)
-            decode = DecodeWork(ids, positions, slots, [list(t) for t in tables])
         windows = []
         for ch in plan.verifies:
             for p in range(ch.start, ch.end):
                 ch.seq.cache.own_page_at(p)  # copy-on-write before the step's ops are taken
             ids = [ch.seq.token_at(ch.start), *ch.drafts]
             windows.append(WindowWork(ch.seq.cache.slot, list(ch.seq.cache.block_table), ch.start, ids))
-        step = StageStep(self.mirror.take(), prefills, decode, tuple(windows))
-        self.channel.broadcast(step)
-        self.run(step, self.dtype)
-        rows, chunks, results = [], [], []
-        # NOTE: items come back in the order every stage runs them: windows, prefill chunks, the decode
-        items = [([ch], len(w.ids)) for ch, w in zip(plan.verifies, windows, strict=True)]
-        items += [([ch], 1 if ch.sample else 0) for ch in plan.prefills]
-        items += [(plan.decodes, len(plan.decodes))] if plan.decodes else []
-        window_logits = {}
+        rounds = DecodeRounds(plan.decodes, self.decode_groups, self.model.cfg.eos_token_id)
+        decodes = [self._decode_work(rows) for rows in rounds.groups]
+        self._launch(StageStep(self.mirror.take(), prefills, tuple(decodes), tuple(windows)))
+        # NOTE: every stage runs items in launch order and the last stage returns them in that order
+        queue = deque(("window", (ch, w), len(w.ids)) for ch, w in zip(plan.verifies, windows, strict=True))
+        queue += [("prefill", ch, int(ch.sample)) for ch in plan.prefills]
+        queue += [("decode", rows, len(rows)) for rows in rounds.groups]
+        results, rows, chunks = [], [], []
         with torch.inference_mode():
-            for item, n_rows in items:
+            while queue:
+                kind, item, n_rows = queue.popleft()
                 ok, logits = self._receive(n_rows)
-                if not ok:
-                    results += [ChunkResult(ch, error=FAILED) for ch in item]
-                elif item[0] in plan.verifies:
-                    window_logits[id(item[0])] = logits
-                elif n_rows:
-                    rows.append(logits)
-                    chunks += item
+                if kind == "window":
+                    ch, w = item
+                    result, rewind = self._verify_window(ch, w, logits) if ok else (self._failed(ch), None)
+                    if rewind is None:
+                        self.kept.append(w.slot)
+                        results.append(result)
+                    else:
+                        self._launch(StageStep(self.mirror.take(), [], (), (), (rewind,)))
+                        queue.append(("rewind", result, 0))
+                elif kind == "rewind":
+                    results.append(item if ok else self._failed(item.chunk))
+                elif kind == "prefill":
+                    if not ok:
+                        results.append(self._failed(item))
+                    elif n_rows:
+                        rows.append(logits)
+                        chunks.append(item)
+                    else:
+                        results.append(ChunkResult(item))
+                elif not ok:
+                    rounds.fail(item, FAILED)
                 else:
-                    results += [ChunkResult(ch) for ch in item]
+                    rounds.record(item, self._sample([r.chunk for r in item], [(logits, None)]))
+                    if active := rounds.active(item):
+                        self._launch(StageStep(self.mirror.take(), [], (self._decode_work(active),)))
+                        queue.append(("decode", active, len(active)))
         self.flush()
-        results += self._verify_windows(plan.verifies, windows, window_logits)
+        results += rounds.results()
         if not chunks:
             return results
         try:
@@ -182,6 +211,18 @@ class PipelineRunner(StageWorker):
             log.exception("sampling failed")
             return results + [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
 
+    def _decode_work(self, rows: list[DecodeRow]) -> DecodeWork:
+        """The next round's inputs of decode rows (pages owned first: copy-on-write)."""
+        for r in rows:
+            r.chunk.seq.cache.own_page_at(r.position)
+        caches = [r.chunk.seq.cache for r in rows]
+        return DecodeWork([r.token for r in rows], [r.position for r in rows], [c.slot for c in caches],
+                          [list(c.block_table) for c in caches])  # fmt: skip
+
+    @staticmethod
+    def _failed(ch: Chunk) -> ChunkResult:
+        return ChunkResult(ch, error=FAILED)
+
     def _receive(self, n_rows: int) -> tuple[bool, torch.Tensor | None]:
         """One item's status from the last stage, and its n_rows logits rows (none: n_rows == 0)."""
         last = self.channel.world - 1
@@ -189,49 +230,29 @@ class PipelineRunner(StageWorker):
         V = self.model.cfg.vocab_size
         return ok, self.transport.recv((n_rows, V), self.dtype, last) if n_rows else None
 
-    def _verify_windows(self, chunks, windows: list[WindowWork], logits: dict) -> list[ChunkResult]:
-        """Sample each window's rows in order until one differs from its draft (ModelRunner._verify's
-        rule); windows with a rejected draft are rewound in every stage by a second step (the state
-        from before the window restored, the committed rows run again)."""
-        results, rewinds, rewound = [], [], []
-        for ch, w in zip(chunks, windows, strict=True):
-            if id(ch) not in logits:
-                continue  # failed in a stage: reported already
-            seq, sampled = ch.seq, []
-            try:
-                for j in range(len(w.ids)):
-                    sampled.append(sample_row(logits[id(ch)][j], seq.params, seq.generator))
-                    if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
-                        break
-            except Exception as exc:  # noqa: BLE001 - that request only (C2)
-                log.exception("sampling a verify window failed")
-                results.append(ChunkResult(ch, error=_describe(exc)))
-                continue
-            kept = len(sampled)
-            (token, lp), more = sampled[0], sampled[1:]
-            result = ChunkResult(ch, token, lp, more=more, computed=ch.start + kept)
-            if kept < len(w.ids):
-                rewinds.append(RewindWork(w.slot, w.table, w.start, w.ids[:kept]))
-                rewound.append(result)
-            else:
-                results.append(result)
-        if not rewinds:
-            return results
-        step = StageStep(self.mirror.take(), [], None, (), tuple(rewinds))
-        self.channel.broadcast(step)
-        self.run(step, self.dtype)
-        with torch.inference_mode():
-            for result in rewound:
-                ok, _ = self._receive(0)
-                results.append(result if ok else ChunkResult(result.chunk, error=FAILED))
-        self.flush()
-        return results
+    def _verify_window(self, ch: Chunk, w: WindowWork, logits: torch.Tensor):
+        """(result, rewind or None): the window's rows sampled in order until one differs from its draft
+        (ModelRunner._verify's rule); a rejected draft needs every stage rewound (`RewindWork`)."""
+        seq, sampled = ch.seq, []
+        try:
+            for j in range(len(w.ids)):
+                sampled.append(sample_row(logits[j], seq.params, seq.generator))
+                if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
+                    break
+        except Exception as exc:  # noqa: BLE001 - that request only (C2)
+            log.exception("sampling a verify window failed")
+            return ChunkResult(ch, error=_describe(exc)), None
+        kept = len(sampled)
+        (token, lp), more = sampled[0], sampled[1:]
+        result = ChunkResult(ch, token, lp, more=more, computed=ch.start + kept)
+        rewind = RewindWork(w.slot, w.table, w.start, w.ids[:kept]) if kept < len(w.ids) else None
+        return result, rewind
 
     def close(self) -> None:
         """Stop the stage processes (idempotent)."""
         if self.procs:
             try:
-                self.channel.broadcast(None)
+                self.channel.send_step(None)  # not waited for: a stage already gone never takes it
             except RuntimeError as exc:  # a stage already gone: stop the others anyway
                 log.warning("pipeline stages did not all take the stop: %s", exc)
             finally:
@@ -241,5 +262,6 @@ class PipelineRunner(StageWorker):
                     except subprocess.TimeoutExpired:
                         proc.kill()
                 self.procs = []
+                self.channel.pending = []
                 with on_device(self.device):
                     self.transport.close()

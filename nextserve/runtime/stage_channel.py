@@ -1,5 +1,5 @@
 """Control traffic between pipeline stages: a standalone Gloo group per stage (no global process group,
-so several engines can live in one process), step messages broadcast from stage 0, host tensors (item
+so several engines can live in one process), step messages sent from stage 0, host tensors (item
 statuses; activations on the CPU and with --stage-transport host) sent as raw bytes (bit for bit).
 Activations between GPUs go by stage_transport.py."""
 
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT = datetime.timedelta(seconds=600)  # a stage that stops answering fails the step, not forever
+STEP_TAG = 1  # step messages; tensors go on tag 0
 
 
 def free_port() -> int:
@@ -44,6 +45,29 @@ class StageChannel:
         for work, _ in self.pending:
             work.wait()
         self.pending = []
+
+    def reap(self) -> None:
+        """Forget the sends that completed (their buffers), waiting for none."""
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    # NOTE: step messages are point to point (tag STEP_TAG), not a broadcast: a collective would hold
+    # stage 0 until every stage reached it, i.e. until the last stage finished its earlier items, and
+    # decode groups (one group's next round sent while the others are still in later stages) would run
+    # one stage at a time. Each stage takes its messages in the order stage 0 sent them.
+    def send_step(self, obj: object) -> None:
+        """obj (a StageStep, or None to stop) to every other stage; not waited for (`flush`)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        for dst in range(1, self.world):
+            self.pending.append((self.group.send([size], dst, STEP_TAG), size))
+            self.pending.append((self.group.send([data], dst, STEP_TAG), data))
+
+    def recv_step(self) -> object:
+        size = torch.zeros(1, dtype=torch.long)
+        self.group.recv([size], 0, STEP_TAG).wait()
+        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.group.recv([buf], 0, STEP_TAG).wait()
+        return pickle.loads(buf.numpy().tobytes())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, pin: bool = False) -> torch.Tensor:
         """A host tensor from stage src (in pinned memory with `pin`, to be copied on to a GPU)."""

@@ -1,6 +1,6 @@
 """A pipeline stage process (rank >= 1): `python -m nextserve.runtime.stage_main`, its StageSetup pickled
 on stdin (runtime/pipeline.py starts it). It builds its layers on its device, then runs the steps stage 0
-broadcasts until a None step."""
+sends until a None step."""
 
 import os
 import pickle
@@ -42,7 +42,7 @@ def stage_main(setup: StageSetup) -> None:
     transport = make_transport(setup.transport, channel, device)
     worker = StageWorker(model, pool, slots, channel, transport, device, setup.pdl)
     channel.broadcast(None)  # ready
-    while (step := channel.broadcast(None)) is not None:
+    while (step := channel.recv_step()) is not None:
         worker.run(step, setup.dtype)
     transport.close()
 

@@ -1,4 +1,4 @@
-"""What every pipeline stage runs each step (runtime/pipeline.py): the step message the driver broadcasts,
+"""What every pipeline stage runs each step (runtime/pipeline.py): the step message the driver sends,
 and a stage's share of it, its layers over the step's batches on its own planes and device, each item's
 streams passed on to the next stage (the last stage's logits to stage 0)."""
 
@@ -66,9 +66,10 @@ class RewindWork:
 class StageStep:
     ops: list[tuple]  # the driver's cache operations since the last step (StageMirror), in order
     prefills: list[PrefillWork]
-    decode: DecodeWork | None
+    decodes: tuple[DecodeWork, ...] = ()  # decode groups (one, without --decode-groups), each an item
     windows: tuple[WindowWork, ...] = ()
     rewinds: tuple[RewindWork, ...] = ()
+    kept: tuple[int, ...] = ()  # slots whose window needs no rewind: their saved state is dropped
 
 
 def window_key(slot: int) -> tuple[str, int]:
@@ -144,7 +145,10 @@ class StageWorker(ModelRunner):
         with pdl_mode(self.pdl), torch.inference_mode():
             self._run(step, dtype)
         if self.channel.rank:
-            self.flush()
+            # NOTE: not waited for: a send completes when its receiver takes it, and stage 0 may take an
+            # item's logits only after sending this stage more work (decode groups)
+            self.channel.reap()
+            self.transport.flush()
 
     def flush(self) -> None:
         """Wait for this step's sends (Gloo's on the host; NCCL's: the current stream waits for them)."""
@@ -165,12 +169,12 @@ class StageWorker(ModelRunner):
         # share) and runs the window's committed rows again, as ModelRunner._verify does on one device.
         # The class's copy_out/copy_in, not the instance's: on the driver those are StageMirror's, which
         # would have every stage repeat them in the next step (after its own rewind).
+        for slot in step.kept:
+            self.saved.pop(window_key(slot), None)
         for w in step.rewinds:
             StateSlots.copy_in(self.states, w.slot, self.saved.pop(window_key(w.slot)))
             batch = self._chunk(w.slot, w.table, w.start, w.ids, True)
             self._item(lambda x, b=batch: self.model(b, x), len(w.ids), None, dtype)
-        for key in [k for k in self.saved if isinstance(k, tuple)]:  # windows whose drafts all held
-            del self.saved[key]
         for w in step.windows:
             self.saved[window_key(w.slot)] = StateSlots.copy_out(self.states, w.slot)
             n = len(w.ids)
@@ -186,8 +190,7 @@ class StageWorker(ModelRunner):
             batch = ForwardBatch(ids, pos, [SeqChunk(cache, w.start, n)], False)
             sample_rows = torch.tensor([n - 1], device=dev) if w.sample else None
             self._item(lambda x, b=batch: self.model(b, x), n, sample_rows, dtype)
-        if step.decode is not None:
-            d = step.decode
+        for d in step.decodes:
             n = len(d.ids)
 
             # NOTE: eager on GPUs too, for now; a replay would give the same bits (every decode op is
@@ -199,7 +202,7 @@ class StageWorker(ModelRunner):
             # (2) GraphRunner fills pinned host buffers copied asynchronously, and a stage's host
             # never waits for its GPU, so it could refill them before the last copy ran (wait on an
             # event recorded after each copy before refilling).
-            def decode(x: torch.Tensor | None) -> torch.Tensor:
+            def decode(x: torch.Tensor | None, d: DecodeWork = d) -> torch.Tensor:
                 return self.model.decode(self.decode_batch(d.ids, d.positions, d.slots, d.tables), x)
 
             self._item(decode, n, torch.arange(n, device=dev), dtype)

@@ -117,3 +117,29 @@ def test_prefix_reuse_through_gpu_stages(small_model_dir, images: int) -> None:
         _pool_full(split)
     finally:
         split.close()
+
+
+def test_decode_groups_and_speculation_on_one_gpu(small_model_dir) -> None:
+    """Both stages on cuda:0 through host memory, decode rows as 2 groups circulating through the stages
+    and n-gram verify windows (rewound in every stage on a rejected draft): the single-GPU outputs."""
+    from spec_cases import OracleProposer
+
+    want = _single_gpu(str(small_model_dir), "bfloat16")
+    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport="host", decode_groups=2)
+    split = LLM(str(small_model_dir), dtype="bfloat16", **flags, **FLAGS)
+    try:
+        _same(want[0], split.generate(_prompts(), PARAMS[0]))
+        spec = LLM(str(small_model_dir), dtype="bfloat16", speculative_method="ngram", speculative_tokens=3,
+                   **flags, **FLAGS)  # fmt: skip
+        try:
+            for params, expected in zip(PARAMS, want, strict=True):
+                drafts = [o.token_ids for o in expected]
+                spec.engine.scheduler.proposer = OracleProposer(_prompts(), drafts, 3, lambda i: i % 4 == 2)
+                _same(expected, spec.generate(_prompts(), params))
+            assert spec.stats()["spec_draft_tokens"] > 0
+            _pool_full(spec)
+        finally:
+            spec.close()
+        _pool_full(split)
+    finally:
+        split.close()

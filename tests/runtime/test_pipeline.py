@@ -252,3 +252,67 @@ def test_speculation_through_stages(small_model_dir, stages: int, k: int, wrong,
         assert (s["spec_accepted_tokens"] == 0) == (wrong(0) and wrong(1))
     finally:
         split.close()
+
+
+@pytest.mark.parametrize("stages,groups", [(2, 2), (3, 3), (2, 3)])
+def test_decode_groups_give_the_single_device_outputs(small_model_dir, stages: int, groups: int) -> None:
+    """Decode rows as round-robin groups circulating through the stages, several tokens a step: the
+    single process's tokens, logprobs and top logprobs (greedy, seeded, a stop token, max_tokens below
+    the rounds), 5 requests over 3 slots, the pool full again after."""
+    prompts = _prompts() + [_prompts()[0][:20]]
+    one = LLM(str(small_model_dir), dtype="float32", **FLAGS)
+    split = LLM(str(small_model_dir), dtype="float32", pipeline_stages=stages, decode_groups=groups, **FLAGS)
+    try:
+        want = one.generate(prompts, PARAMS[0])
+        stop = SamplingParams(
+            max_tokens=12, temperature=0.0, logprobs=1, stop_token_ids=[want[1].token_ids[4]]
+        )
+        for params in [*PARAMS, stop, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)]:
+            got = split.generate(prompts, params)
+            ref = one.generate(prompts, params)
+            assert [o.finish_reason for o in got] == [o.finish_reason for o in ref]
+            if params.logprobs is None:
+                assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+            else:
+                _same(ref, got)
+        assert len(split.generate(prompts, stop)[1].token_ids) == 5  # stopped inside a step's rounds
+        s = split.stats()
+        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    finally:
+        split.close()
+
+
+def test_decode_groups_with_speculation(small_model_dir) -> None:
+    """Verify windows and decode groups in the same steps (requests with and without drafts)."""
+    from spec_cases import OracleProposer
+
+    prompts = _prompts()
+    one = LLM(str(small_model_dir), dtype="float32", **FLAGS)
+    serial = one.generate(prompts, PARAMS[1])
+    split = LLM(str(small_model_dir), dtype="float32", pipeline_stages=2, decode_groups=2,
+                speculative_method="ngram", speculative_tokens=3, **FLAGS)  # fmt: skip
+    try:
+        oracle = OracleProposer(prompts, [o.token_ids for o in serial], 3, lambda i: i % 4 == 2)
+        inner = oracle.drafts
+        oracle.drafts = lambda seq, limit: inner(seq, limit) if seq.prompt_ids != prompts[1] else []
+        split.engine.scheduler.proposer = oracle
+        _same(serial, split.generate(prompts, PARAMS[1]))
+        assert split.stats()["spec_draft_tokens"] > 0
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"decode_groups": 0}, "positive integer"),
+        ({"decode_groups": -2}, "positive integer"),
+        ({"decode_groups": "2"}, "positive integer"),
+        ({"decode_groups": 2.0}, "positive integer"),
+        ({"decode_groups": 65}, "at most 64"),
+        ({"decode_groups": 2, "pipeline_stages": 1}, "needs pipeline_stages"),
+    ],
+)
+def test_decode_groups_bad_values(kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**{"pipeline_stages": 2, "device": "cpu"} | kw)

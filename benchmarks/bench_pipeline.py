@@ -1,0 +1,81 @@
+"""Pipeline stages side by side: one process, then N stages with --decode-groups 1, 2, ... on the same
+model and requests (greedy, several requests decoding together), in alternating rounds so a shared or
+throttled machine hits every mode alike. Tokens are checked equal to one process's (C1).
+
+    python benchmarks/bench_pipeline.py                          # default model, CPU, 2 stages, 1 thread
+    python benchmarks/bench_pipeline.py --device cuda --dtype bfloat16 --pipeline-devices 0,1
+
+Prints one JSON object: revision, hardware, command, settings, and per mode the wall seconds of each round
+(prefill + decode of every request), their median and output tokens/s at the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve import LLM, SamplingParams  # noqa: E402
+from nextserve.bench.provenance import git_info, hardware  # noqa: E402
+from nextserve.config import DEFAULT_MODEL  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="--decode-groups values")
+    ap.add_argument("--pipeline-devices", default=None)
+    ap.add_argument("--stage-transport", default="auto")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (every stage runs the driver's)")
+    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 2000, (32 + 8 * i,), generator=g).tolist() for i in range(a.requests)]
+    params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+    flags = dict(device=a.device, dtype=a.dtype, max_concurrency=a.requests)
+    engines = {"one process": LLM(a.model, **flags)}
+    for groups in a.groups:
+        engines[f"{a.stages} stages, {groups} groups"] = LLM(
+            a.model, pipeline_stages=a.stages, decode_groups=groups, pipeline_devices=a.pipeline_devices,
+            stage_transport=a.stage_transport, **flags,
+        )  # fmt: skip
+    want = [o.token_ids for o in engines["one process"].generate(prompts, params)]
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    same = {}
+    try:
+        for _ in range(a.rounds):
+            for name, llm in engines.items():
+                t0 = time.perf_counter()
+                out = llm.generate(prompts, params)
+                walls[name].append(round(time.perf_counter() - t0, 4))
+                same[name] = same.get(name, True) and [o.token_ids for o in out] == want
+    finally:
+        for llm in engines.values():
+            llm.close()
+    modes = {}
+    for name, w in walls.items():
+        med = statistics.median(w)
+        tps = round(a.requests * a.tokens / med, 2)
+        modes[name] = {"wall_s": w, "median_wall_s": med, "tokens_per_s": tps,
+                       "tokens_equal_one_process": same[name]}  # fmt: skip
+    out = {"benchmark": "bench_pipeline", "git": git_info(a.revision), "hardware": hardware(a.device),
+           "command": " ".join(["python", *sys.argv]), "settings": vars(a), "modes": modes}  # fmt: skip
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
