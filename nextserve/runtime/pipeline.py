@@ -29,12 +29,11 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..cache.states import KindRange, StateSlots
 from ..config import EngineConfig, ModelConfig
-from ..engine.sampling import sample_row
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from .decode_rounds import DecodeRounds, DecodeRow
-from .runner import ChunkResult, _describe
+from .runner import ChunkResult, _describe, sample_window
 from .stage_channel import StageChannel, free_port
 from .stage_mirror import StageMirror
 from .stage_transport import make_transport
@@ -233,12 +232,8 @@ class PipelineRunner(StageWorker):
     def _verify_window(self, ch: Chunk, w: WindowWork, logits: torch.Tensor):
         """(result, rewind or None): the window's rows sampled in order until one differs from its draft
         (ModelRunner._verify's rule); a rejected draft needs every stage rewound (`RewindWork`)."""
-        seq, sampled = ch.seq, []
         try:
-            for j in range(len(w.ids)):
-                sampled.append(sample_row(logits[j], seq.params, seq.generator))
-                if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
-                    break
+            sampled = sample_window(logits, ch)
         except Exception as exc:  # noqa: BLE001 - that request only (C2)
             log.exception("sampling a verify window failed")
             return ChunkResult(ch, error=_describe(exc)), None

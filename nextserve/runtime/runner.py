@@ -217,11 +217,7 @@ class ModelRunner:
             before = self.states.copy_out(cache.slot)
             streams = self.model(self._window(ch, ids))  # [1 + k, nH]
             logits = self.model.logits(streams, row_invariant=True)
-            sampled = []
-            for j in range(len(ids)):
-                sampled.append(sample_row(logits[j], seq.params, seq.generator))
-                if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
-                    break
+            sampled = sample_window(logits, ch)
             n_kept = len(sampled)  # rows whose input is committed: the last token, the accepted drafts
             if n_kept < len(ids):
                 self.states.copy_in(cache.slot, before)
@@ -265,6 +261,17 @@ class ModelRunner:
                 continue
             results.append(ChunkResult(ch, token, lp))
         return results
+
+
+def sample_window(logits: torch.Tensor, ch: Chunk) -> list[tuple[int, TokenLogprob | None]]:
+    """A verify window's rows [1 + k, V] sampled in order with the request's own sampler, up to the
+    first sampled token that differs from its draft (kept too: it is the next token), or all of them."""
+    seq, sampled = ch.seq, []
+    for j in range(logits.shape[0]):
+        sampled.append(sample_row(logits[j], seq.params, seq.generator))
+        if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
+            break
+    return sampled
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
