@@ -107,3 +107,21 @@ def check_window_rows(model_dir, flags: dict, k: int = 6) -> None:
     assert len(steps) == k
     bad = [j for j, logits in enumerate(steps) if not torch.equal(window[j], logits[0])]
     assert not bad, f"window rows {bad} differ from serial decode"
+
+
+def mtp_drafts_resumed_as_cold(model_dir, flags: dict, prompts, params) -> tuple[LLM, LLM]:
+    """Each prompt alone on a cold MTP engine and on one keeping prefix images (later prompts resume):
+    both give the serial outputs, the resumed one reuses cached tokens and proposes the cold engine's
+    drafts. Returns (cold, warm) for the caller's pool checks."""
+    serial = LLM(str(model_dir), **flags).generate(prompts, params)
+    cold = LLM(str(model_dir), speculative_method="mtp", speculative_tokens=3, **flags)
+    warm = LLM(str(model_dir), speculative_method="mtp", speculative_tokens=3, prefix_cache_images=8, **flags)
+    cold_log, warm_log = DraftLog(cold), DraftLog(warm)
+    for p, want in zip(prompts, serial, strict=True):  # one at a time: later ones resume from images
+        same([want], cold.generate([p], params))
+        same([want], warm.generate([p], params))
+    assert sum(o.cached_tokens for o in warm.generate(prompts[1:], params)) > 0
+    for p in prompts:
+        assert cold_log.of(p) and warm_log.of(p)[: len(cold_log.of(p))] == cold_log.of(p)
+    warm.engine.clear_prefix_cache()
+    return cold, warm

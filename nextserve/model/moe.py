@@ -54,7 +54,7 @@ class SparseMoe(nn.Module):
         self.in_proj = fuse_rows(*self._parts())
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
-        if ri and self.shared_as_expert:
+        if ri and self.shared_as_expert and self.in_proj is not None:
             return self._decode(u)
         router, sg, g, up = project(u, self._parts(), self.in_proj, ri)
         shared = self.shared_expert(u, ri, (g, up))
@@ -63,19 +63,14 @@ class SparseMoe(nn.Module):
         return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared
 
     def _decode(self, u: torch.Tensor) -> torch.Tensor:
-        """Row-invariant rows (decode, verify windows) when the shared expert has the routed experts'
-        width (Flash-Next: 640 both): it runs as one more routed expert (id E, weight sigmoid(sg), added
+        """Row-invariant rows (decode, verify windows) of a fused model (`fuse`) whose shared expert has
+        the routed experts' width (Flash-Next: 640 both): it runs as one more routed expert (id E, weight sigmoid(sg), added
         last: the same roundings as sigmoid_gate), so its projections ride the grouped expert kernels
         instead of a GEMV, an activation and a gate of their own."""
         E, se = self.gate.weight.shape[0], self.shared_expert
-        if self.in_proj is not None:  # views of the stack: router|sg rows, then shared gate|up rows
-            logits = linear(u, self.in_proj[: E + 1], True)
-            shared_gate_up = self.in_proj[E + 1 :]
-        else:
-            logits = torch.cat(
-                [linear(u, self.gate.weight, True), linear(u, self.shared_expert_gate.weight, True)], 1
-            )
-            shared_gate_up = torch.cat([se.gate_proj.weight, se.up_proj.weight])
+        # NOTE: views of the stack (fuse): router|sg rows, then the shared expert's gate|up rows
+        logits = linear(u, self.in_proj[: E + 1], True)
+        shared_gate_up = self.in_proj[E + 1 :]
         w, ids = route(logits, self.top_k, self.norm_topk, True, shared=True)  # [T, k + 1]
         ex = self.experts
         return experts(u, w, ids, ex.gate_up_proj, ex.down_proj, True, (shared_gate_up, se.down_proj.weight))

@@ -43,13 +43,10 @@ class DecodeRow:
 def round_limit(chunk: Chunk, rounds: int) -> int:
     """How many tokens a decode row may take this step: up to `rounds`, never past what ends the request
     by length; one for a grammar-constrained request."""
-    seq, p = chunk.seq, chunk.seq.params
+    seq = chunk.seq
     if seq.constraint is not None:
         return 1
-    left = seq.max_context - seq.num_tokens
-    if p.max_tokens is not None:
-        left = min(left, p.max_tokens - len(seq.output_ids))
-    return max(1, min(rounds, left))
+    return max(1, min(rounds, seq.token_budget() - seq.num_tokens))
 
 
 class DecodeRounds:

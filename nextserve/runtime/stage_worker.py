@@ -183,11 +183,8 @@ class StageWorker(ModelRunner):
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
-            cache = SequenceCache(self.pool, self.states, slot=w.slot, block_table=w.table)
             n = len(w.ids)
-            ids = torch.tensor(w.ids, dtype=torch.long, device=dev)
-            pos = torch.arange(w.start, w.start + n, device=dev)
-            batch = ForwardBatch(ids, pos, [SeqChunk(cache, w.start, n)], False)
+            batch = self._chunk(w.slot, w.table, w.start, w.ids, False)
             sample_rows = torch.tensor([n - 1], device=dev) if w.sample else None
             self._item(lambda x, b=batch: self.model(b, x), n, sample_rows, dtype)
         for d in step.decodes:

@@ -6,7 +6,7 @@ on the trained default model most drafts are accepted; the pool is full again af
 from pathlib import Path
 
 import pytest
-from spec_cases import PY_PROMPT, DraftLog, py_prompts, same, spec_prompts
+from spec_cases import PY_PROMPT, DraftLog, mtp_drafts_resumed_as_cold, py_prompts, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import DEFAULT_MODEL, ConfigError
@@ -127,22 +127,9 @@ def test_mtp_with_prefix_reuse(small_model_dir) -> None:
     base = spec_prompts()[2]  # 61 tokens: images at 48
     prompts = [base, base[:48] + [7, 8, 9], base + [11, 12], base[:32] + [5] * 32, base[:32] + [5] * 32 + [6]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
-    serial = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
-    cold = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, **FLAGS)
-    cold_log = DraftLog(cold)
-    warm = LLM(
-        str(small_model_dir), speculative_method="mtp", speculative_tokens=3, prefix_cache_images=8, **FLAGS
-    )
-    warm_log = DraftLog(warm)
-    for p, want in zip(prompts, serial, strict=True):  # one at a time: later ones resume from images
-        same([want], cold.generate([p], params))
-        same([want], warm.generate([p], params))
-    assert sum(o.cached_tokens for o in warm.generate(prompts[1:], params)) > 0
     # NOTE: the last prompt resumes at 64, the end of the 4th prompt (a whole number of chunks, a page
     # boundary), where the 4th request sampled a token other than its 65th: MTP row 63 is its own.
-    for p in prompts:
-        assert cold_log.of(p) and warm_log.of(p)[: len(cold_log.of(p))] == cold_log.of(p)
-    warm.engine.clear_prefix_cache()
+    cold, warm = mtp_drafts_resumed_as_cold(small_model_dir, FLAGS, prompts, params)
     pool_full(warm)
     pool_full(cold)
 

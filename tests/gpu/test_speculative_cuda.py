@@ -4,7 +4,15 @@ drafts from an oracle (ngram method) or from the model's MTP block (mtp method).
 
 import pytest
 import torch
-from spec_cases import PY_PROMPT, DraftLog, OracleProposer, check_window_rows, py_prompts, same, spec_prompts
+from spec_cases import (
+    PY_PROMPT,
+    OracleProposer,
+    check_window_rows,
+    mtp_drafts_resumed_as_cold,
+    py_prompts,
+    same,
+    spec_prompts,
+)
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import DEFAULT_MODEL
@@ -86,17 +94,6 @@ def test_mtp_with_prefix_reuse_on_cuda(small_model_dir) -> None:
     base = spec_prompts()[2]
     prompts = [base, base[:48] + [7, 8, 9], base + [11, 12]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
-    serial = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
-    cold = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, **FLAGS)
-    warm = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, prefix_cache_images=8,
-               **FLAGS)  # fmt: skip
-    cold_log, warm_log = DraftLog(cold), DraftLog(warm)
-    for p, want in zip(prompts, serial, strict=True):
-        same([want], cold.generate([p], params))
-        same([want], warm.generate([p], params))
-    assert sum(o.cached_tokens for o in warm.generate(prompts[1:], params)) > 0
-    for p in prompts:
-        assert cold_log.of(p) and warm_log.of(p)[: len(cold_log.of(p))] == cold_log.of(p)
-    warm.engine.clear_prefix_cache()
+    _, warm = mtp_drafts_resumed_as_cold(small_model_dir, FLAGS, prompts, params)
     s = warm.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"]

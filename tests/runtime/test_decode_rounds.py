@@ -1,17 +1,18 @@
 """The decode groups' bookkeeping (runtime/decode_rounds.py): round-robin groups, how many tokens a row
 may take in a step, when a row stops, and the results the engine commits."""
 
-from types import SimpleNamespace
-
+from nextserve import SamplingParams
 from nextserve.engine.scheduler import Chunk
+from nextserve.engine.sequence import Sequence
 from nextserve.runtime.decode_rounds import DecodeRounds, round_limit
 from nextserve.runtime.runner import ChunkResult
 
 
 def _chunk(start: int, out: int, max_tokens=None, max_context=100, constraint=None, stops=()):
-    params = SimpleNamespace(max_tokens=max_tokens, stop_token_ids=list(stops), ignore_eos=False)
-    seq = SimpleNamespace(params=params, constraint=constraint, max_context=max_context, output_ids=[0] * out,
-                          num_tokens=start + 1, token_at=lambda p: 1000 + p)  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stops))
+    seq = Sequence("r", list(range(start + 1 - out)), params, max_context=max_context)
+    seq.output_ids, seq.constraint = [0] * out, constraint
+    seq.token_at = lambda p: 1000 + p
     return Chunk(seq, start, start + 1, True)
 
 

@@ -453,10 +453,8 @@ def _grouped(
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
-    if shared is not None:  # NOTE: read with the routed experts' row strides (a copy otherwise)
+    if shared is not None:  # NOTE: its rows are read with the routed experts' row strides
         assert sgu.shape == gate_up.shape[1:] and sdown.shape == down.shape[1:], (sgu.shape, sdown.shape)
-        sgu = sgu if sgu.stride() == gate_up.stride()[1:] else sgu.contiguous()
-        sdown = sdown if sdown.stride() == down.stride()[1:] else sdown.contiguous()
         assert sgu.stride() == gate_up.stride()[1:] and sdown.stride() == down.stride()[1:], "strides"
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     n = M * k
