@@ -21,6 +21,7 @@ import torch
 from nextserve.bench import git_info, hardware
 from nextserve.model.hyper import GatedResidual
 from nextserve.model.moe import SparseMoe
+from nextserve.ops.triton.common import pdl_mode
 
 REPS, REPLAYS, TRIALS = 16, 10, 7
 CFG = SimpleNamespace(hc_count=4, hidden_size=2560, rms_norm_eps=1e-6, hc_hidden=4 * 2560, hc_lowrank=320,
@@ -66,6 +67,12 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--revision", default=None)
     ap.add_argument("--plan-small", type=int, default=None, help="moe_grouped.PLAN_SMALL for this run")
+    ap.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="programmatic dependent launch in the graphs, as the engine's default (--pdl)",
+    )
     args = ap.parse_args()
     if args.plan_small is not None:
         from nextserve.ops.triton import moe_grouped
@@ -76,14 +83,14 @@ def main() -> None:
     _randomize(hc, dev)
     _randomize(moe, dev)
     rows = []
-    with torch.inference_mode():
+    with torch.inference_mode(), pdl_mode(args.pdl):
         for M in args.m:
             x = torch.randn(M, CFG.hc_hidden, device=dev).bfloat16()
             u = torch.randn(M, CFG.hidden_size, device=dev).bfloat16()
             rows.append({"M": M, "hc_mix_us": graph_us(lambda x=x: hc.mix(x, True)),
                          "moe_us": graph_us(lambda u=u: moe(u, True))})  # fmt: skip
             print(f"# M={M}: {rows[-1]}", file=sys.stderr)
-    out = {"benchmark": "decode_blocks", "label": args.label, "git": git_info(args.revision),
+    out = {"benchmark": "decode_blocks", "label": args.label, "pdl": args.pdl, "git": git_info(args.revision),
            "hardware": hardware(dev), "command": " ".join(["python", *sys.argv]), "rows": rows}  # fmt: skip
     print(json.dumps(out, indent=1))
 
