@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.hyper import hc_mix, inject, mix_streams, scaled_silu
+from ..ops.hyper import down_silu, inject, mix_streams, scaled_silu
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from .params import Weight, fuse_rows, project
@@ -27,17 +27,19 @@ class GatedResidual(nn.Module):
 
     def mix(self, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, nH] -> (block input u [T, H], injection logits W_inj X^ [T, n], None without inject)."""
-        r = self.input_mix_weight_down.weight.shape[0]
-        if self.block_inject_weight is None or self.in_proj is not None:  # one projection reads X^
-            w_di = self.input_mix_weight_down.weight if self.in_proj is None else self.in_proj
-            return hc_mix(
-                x, self.hc_norm.weight, w_di, self.input_mix_weight_up.weight, self.n, r, self.eps, ri
-            )
         xn = rms_norm(x, self.hc_norm.weight, self.eps, group=self.hidden)  # per-stream G-norm
-        down, v = project(xn, (self.input_mix_weight_down, self.block_inject_weight), None, ri)
-        a = scaled_silu(down, self.n, ri)  # [T, r]
-        logits = linear(a, self.input_mix_weight_up.weight, ri)  # [T, nH]
-        return mix_streams(logits, xn, self.n, self.hidden, ri), v
+        r = self.input_mix_weight_down.weight.shape[0]
+        if self.block_inject_weight is None:
+            a, v = down_silu(xn, self.input_mix_weight_down.weight, r, self.n, ri), None
+        elif self.in_proj is not None:  # both read X^: one GEMV over their stack (vLLM merges them too)
+            av = down_silu(xn, self.in_proj, r, self.n, ri)  # [T, r + n]: silu(down / n) | inj logits
+            a, v = av[:, :r], av[:, r:]
+        else:
+            down, v = project(xn, (self.input_mix_weight_down, self.block_inject_weight), None, ri)
+            a = scaled_silu(down, self.n, ri)  # [T, r]
+        logits = linear(a, self.input_mix_weight_up.weight, ri)  # [T, nH]; a may be a column slice
+        u = mix_streams(logits, xn, self.n, self.hidden, ri)  # mean_s sigmoid(logits)_s * xn_s
+        return u, v
 
     def forward(self, x: torch.Tensor, block, ri: bool) -> torch.Tensor:
         """X_s <- X_s + inj_s * block(u), inj = 2 sigmoid(W_inj X^ / n) from the pre-block streams."""

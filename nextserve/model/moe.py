@@ -64,9 +64,9 @@ class SparseMoe(nn.Module):
 
     def _decode(self, u: torch.Tensor) -> torch.Tensor:
         """Row-invariant rows (decode, verify windows) of a fused model (`fuse`) whose shared expert has
-        the routed experts' width (Flash-Next: 640 both): it runs as one more routed expert (id E, weight sigmoid(sg), added
-        last: the same roundings as sigmoid_gate), so its projections ride the grouped expert kernels
-        instead of a GEMV, an activation and a gate of their own."""
+        the routed experts' width (Flash-Next: 640 both): it runs as one more routed expert (id E,
+        weight sigmoid(sg), added last: the same roundings as sigmoid_gate), so its projections ride the
+        grouped expert kernels instead of a GEMV, an activation and a gate of their own."""
         E, se = self.gate.weight.shape[0], self.shared_expert
         # NOTE: views of the stack (fuse): router|sg rows, then the shared expert's gate|up rows
         logits = linear(u, self.in_proj[: E + 1], True)

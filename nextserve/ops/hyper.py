@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from .linear import linear
-from .norms import rms_norm
 from .pointwise import rowwise
 from .triton import use_kernel
 
@@ -65,30 +64,3 @@ def inject(
         return triton_inject(x, y, v, n, from_logits=True)
     inj = 2 * rowwise(torch.sigmoid, v / n, row_invariant)  # [T, n]
     return x + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
-
-
-def hc_mix(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    w_di: torch.Tensor,
-    w_up: torch.Tensor,
-    n: int,
-    rank: int,
-    eps: float,
-    row_invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The mixer of a hyper-connection: x [T, n*H] streams -> (block input u [T, H], the inject logits
-    W_inj X^ [T, R - rank], or None when w_di [R, n*H] is the down projection alone).
-
-    # On CUDA in row-invariant mode (decode, verify windows) this is one Triton launch
-    # (ops/triton/hc_mix.py); the chain below is its reference (and the CPU and prefill path)."""
-    if row_invariant and _triton_ok(x, w_di, w_up):
-        from .triton.hc_mix import triton_hc_mix
-
-        return triton_hc_mix(x, norm_weight, w_di, w_up, n, rank, eps)
-    hidden = x.shape[-1] // n
-    xn = rms_norm(x, norm_weight, eps, group=hidden)  # per-stream G-norm
-    av = down_silu(xn, w_di, rank, n, row_invariant)  # [T, R]: silu(down / n) | inject logits
-    logits = linear(av[:, :rank], w_up, row_invariant)  # [T, nH]; a column slice of av
-    u = mix_streams(logits, xn, n, hidden, row_invariant)  # mean_s sigmoid(logits)_s * xn_s
-    return u, (av[:, rank:] if av.shape[-1] > rank else None)
