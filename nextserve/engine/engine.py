@@ -89,7 +89,7 @@ class LLMEngine:
             )  # fmt: skip
         else:
             self.model = load_model(config, cfg) if model is None else model.eval()
-            self.model.fuse_projections()
+            self.model.prepare()
             self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
         host = (

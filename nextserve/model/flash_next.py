@@ -15,6 +15,10 @@ from .decoder_layer import DecoderLayer
 from .hyper import GatedResidual
 from .params import Weight
 
+# NOTE: rows of the rotary table past max_position_embeddings: a verify window or an MTP draft chain
+# reaches up to speculative_tokens + 1 (at most 33) positions past a sequence's last one.
+ROTARY_MARGIN = 64
+
 
 class FlashNext(nn.Module):
     """Layers `layers` of the model; the first stage embeds, the last owns the mixer and lm_head."""
@@ -42,6 +46,21 @@ class FlashNext(nn.Module):
             self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
             self.lm_head = Weight(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+        self.rotary_table: torch.Tensor | None = None  # [P, 2 * rot] cos | sin of every position (prepare)
+
+    def prepare(self) -> None:
+        """After loading weights, before serving: stack the projections and, on CUDA, tabulate the rotary
+        cos and sin of every position."""
+        self.fuse_projections()
+        dev, dtype = self.inv_freq.device, next(self.parameters()).dtype
+        if dev.type == "cuda" and self.rotary_table is None:
+            # NOTE: a row is cos_sin's result at that position bit for bit: on CUDA cos_sin is elementwise
+            # per element (a product, cos, sin, a rounding), whatever the tensor around it. The table only
+            # saves launches: a decode step took cos and sin three times (the rope, each QSA block key),
+            # about six launches each, where a gather is one. (On the CPU, vectorised cos/sin may round a
+            # row by its place in the tensor, so the CPU keeps computing them row by row.)
+            positions = torch.arange(self.cfg.max_position_embeddings + ROTARY_MARGIN, device=dev)
+            self.rotary_table = torch.cat(cos_sin(positions, self.inv_freq, dtype), dim=-1)
 
     def fuse_projections(self) -> None:
         """Stack the projections that read one input (see params.fuse_rows); after loading weights."""
@@ -52,11 +71,22 @@ class FlashNext(nn.Module):
                 m.fuse()
         self._fused = True
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype, row_invariant: bool = False):
-        # NOTE: cos and sin from one call (joined, then split into views): half the launches in a step.
-        cs = rowwise(lambda p: torch.cat(cos_sin(p, self.inv_freq, dtype), dim=-1), positions, row_invariant)
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, row_invariant: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos, sin [T, rot] at positions [T]: rows of the table when there is one for them."""
+        t = self.rotary_table
+        if t is not None and t.dtype == dtype and t.device == positions.device:
+            cs = t.index_select(0, positions)
+        else:  # cos and sin from one call (joined, then split into views): half the launches
+            joined = lambda p: torch.cat(cos_sin(p, self.inv_freq, dtype), dim=-1)  # noqa: E731
+            cs = rowwise(joined, positions, row_invariant)
         cos, sin = cs.chunk(2, dim=-1)
-        return cos, sin, self.inv_freq
+        return cos, sin
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, row_invariant: bool = False):
+        """(cos, sin) at the rows' positions, and `cos_sin` itself for the QSA block keys."""
+        return *self.cos_sin(positions, dtype, row_invariant), self.cos_sin
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> streams [T, nH]: the unscaled embedding copied into every stream."""

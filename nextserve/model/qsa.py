@@ -4,11 +4,17 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.attention import index_scores, paged_sparse_attention, select_decode_tokens
+from ..ops.attention import (
+    block_mean,
+    index_scores,
+    indexer_open_block,
+    paged_sparse_attention,
+    select_decode_tokens,
+)
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise, sigmoid_gate
-from ..ops.rope import apply_rope, cos_sin
+from ..ops.rope import apply_rope
 from .batch import DecodeBatch, ForwardBatch, KVView
 from .params import Weight, fuse_rows, project
 
@@ -23,18 +29,22 @@ class Indexer(nn.Module):
         self.k_layernorm = Weight(self.di)
 
     def block_key(
-        self, raw: torch.Tensor, block_starts: torch.Tensor, inv_f: torch.Tensor, ri: bool = False
+        self, raw: torch.Tensor, block_starts: torch.Tensor, rotary, ri: bool = False
     ) -> torch.Tensor:
-        """raw [m, c, di] raw keys of m complete blocks -> compressed keys [m, di]."""
+        """raw [m, c, di] raw keys of m complete blocks -> compressed keys [m, di]; rotary(positions, dtype)
+        gives cos, sin (FlashNext.cos_sin)."""
+        return self._pooled_key(block_mean(raw, ri), block_starts, rotary, ri)
 
-        def key(raw: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-            pooled = raw.float().mean(dim=1).to(raw.dtype)
+    def _pooled_key(self, pooled: torch.Tensor, starts: torch.Tensor, rotary, ri: bool) -> torch.Tensor:
+        """Mean raw keys [m, di] of blocks starting at `starts` -> their compressed keys [m, di]."""
+
+        def key(pooled: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
             normed = rms_norm(pooled, self.k_layernorm.weight, self.eps)
-            cos, sin = cos_sin(starts, inv_f, raw.dtype)
+            cos, sin = rotary(starts, pooled.dtype)
             return apply_rope(normed[:, None, :], cos, sin)[:, 0, :]
 
         # NOTE: its reductions and cos/sin run row by row on the CPU in row-invariant mode (pointwise.py).
-        return rowwise(key, raw, ri, block_starts)
+        return rowwise(key, pooled, ri, starts)
 
     def _query(self, u: torch.Tensor, cos, sin, ri: bool, qk=None) -> tuple[torch.Tensor, torch.Tensor]:
         """u [T, H] (or its projection qk, given) -> (normed, roped queries [T, Ni, di], raw keys [T, di])."""
@@ -45,21 +55,17 @@ class Indexer(nn.Module):
         q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
         return q, qk[:, self.ni * self.di :]
 
-    def decode(
-        self, u, batch: DecodeBatch, cos, sin, attn_index: int, inv_f: torch.Tensor, qk=None
-    ) -> torch.Tensor:
+    def decode(self, u, batch: DecodeBatch, cos, sin, attn_index: int, rotary, qk=None) -> torch.Tensor:
         """Selected token ids [B, block_topk*c + c] int32 (-1 = none) of each decode row. Stores the
         row's raw key in its slot's open block, and the block's compressed key once it completes."""
         q, raw = self._query(u, cos, sin, True, qk)
-        c, B, pos, cache = self.c, u.shape[0], batch.positions, batch.cache
+        pos, cache = batch.positions, batch.cache
         tail_plane = cache.index_tail_plane(attn_index)  # [S, c-1, di]
-        r = pos % c  # the row's place in its block
-        block = torch.cat([tail_plane.index_select(0, cache.slots), raw[:, None, :]], dim=1)  # [B, c, di]
-        block = block.scatter(1, r[:, None, None].expand(B, 1, self.di), raw[:, None, :])
+        pooled, starts = indexer_open_block(raw, tail_plane, cache.slots, pos, self.c, True)
         # NOTE: computed for every row (no branch, so the step can be a graph); it is the block's
-        # key only where r == c-1, and a placeholder elsewhere that the completion overwrites.
-        cache.write_block_key(attn_index, self.block_key(block, pos - r, inv_f, True))
-        tail_plane.index_copy_(0, cache.slots, block[:, : c - 1])
+        # key only where the row completes its block, and a placeholder elsewhere that the completion
+        # overwrites.
+        cache.write_block_key(attn_index, self._pooled_key(pooled, starts, rotary, True))
         return self._select(q, pos, cache.kv_view(attn_index))
 
     def _select(self, q: torch.Tensor, positions: torch.Tensor, view: KVView) -> torch.Tensor:
@@ -73,7 +79,7 @@ class Indexer(nn.Module):
         return select_decode_tokens(scores, n_blocks, positions, self.c, self.topk)
 
     def forward(
-        self, u, batch: ForwardBatch, cos, sin, attn_index: int, inv_f: torch.Tensor, qk=None
+        self, u, batch: ForwardBatch, cos, sin, attn_index: int, rotary, qk=None
     ) -> list[list[torch.Tensor]]:
         """Selected token ids for every row, grouped by chunk. Updates block keys and the open tail."""
         q, raw = self._query(u, cos, sin, batch.row_invariant, qk)
@@ -89,7 +95,7 @@ class Indexer(nn.Module):
             if n_new > 0:
                 blocks = keys[: n_new * c].view(n_new, c, self.di)
                 starts = torch.arange(first_block, first_block + n_new, device=u.device) * c
-                chunk.cache.write_block_keys(attn_index, first_block, self.block_key(blocks, starts, inv_f))
+                chunk.cache.write_block_keys(attn_index, first_block, self.block_key(blocks, starts, rotary))
             rest = keys[n_new * c :]
             tail[: rest.shape[0]].copy_(rest)
             selected.append(self._select(q[s:e], batch.positions[s:e], chunk.cache.kv_view(attn_index)))
@@ -134,10 +140,10 @@ class QSAttention(nn.Module):
         o = sigmoid_gate(o.reshape(o.shape[0], self.nq * self.d), gate, row_invariant=ri)
         return linear(o, self.o_proj.weight, ri)
 
-    def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, inv_f) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, rotary) -> torch.Tensor:
         ri = batch.row_invariant
         proj = self._project(u, ri)
-        selected = self.indexer(u, batch, cos, sin, self.attn_index, inv_f, qk=proj[3])
+        selected = self.indexer(u, batch, cos, sin, self.attn_index, rotary, qk=proj[3])
         q, gate, k, v = self._qkv(u, cos, sin, ri, proj)
         outs = []
         for chunk, (s, e), tokens in zip(batch.chunks, batch.spans(), selected, strict=True):
@@ -146,9 +152,9 @@ class QSAttention(nn.Module):
             outs.append(paged_sparse_attention(q[s:e], kv.k, kv.v, kv.block_table, tokens, self.scaling))
         return self._output(torch.cat(outs, dim=0), gate, ri)
 
-    def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, inv_f) -> torch.Tensor:
+    def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, rotary) -> torch.Tensor:
         proj = self._project(u, True)
-        tokens = self.indexer.decode(u, batch, cos, sin, self.attn_index, inv_f, qk=proj[3])
+        tokens = self.indexer.decode(u, batch, cos, sin, self.attn_index, rotary, qk=proj[3])
         q, gate, k, v = self._qkv(u, cos, sin, True, proj)
         batch.cache.write_kv(self.attn_index, k, v)
         view = batch.cache.kv_view(self.attn_index)

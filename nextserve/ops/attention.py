@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from .pointwise import rowwise
 from .triton import use_kernel
 
 
@@ -67,6 +68,38 @@ def _index_scores_reference(q_idx, key_plane, block_table, n_blocks, max_blocks:
         scores = torch.matmul(q_idx[row].float(), keys.float().t())  # [Ni, nb]
         out[row, :nb] = torch.relu(scores.t()).sum(dim=-1) / scale
     return out
+
+
+def indexer_open_block(
+    raw: torch.Tensor,
+    tail_plane: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    c: int,
+    row_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's open indexer block with its raw key put in at position % c: raw [B, di]; the tail
+    plane [S, c-1, di] of the rows' slots is updated in place. Returns the mean of the block's c rows
+    [B, di] (raw's dtype, computed in float32) and the block's first position [B]. Where a row completes
+    its block the mean is the block's pooled key; elsewhere it is a placeholder (stale tail rows in it).
+
+    # On CUDA one Triton launch (ops/triton/qsa_tail.py); the code below is its reference and the CPU
+    # path."""
+    if use_kernel(raw, tail_plane) and raw.stride(-1) == 1 and tail_plane.is_contiguous():
+        from .triton.qsa_tail import triton_indexer_open_block
+
+        return triton_indexer_open_block(raw, tail_plane, slots, positions, c)
+    B, di = raw.shape
+    r = positions % c  # the row's place in its block
+    block = torch.cat([tail_plane.index_select(0, slots), raw[:, None, :]], dim=1)  # [B, c, di]
+    block = block.scatter(1, r[:, None, None].expand(B, 1, di), raw[:, None, :])
+    tail_plane.index_copy_(0, slots, block[:, : c - 1])
+    return block_mean(block, row_invariant), positions - r
+
+
+def block_mean(blocks: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+    """blocks [m, c, di] -> their mean over c [m, di], in float32, rounded to the blocks' dtype."""
+    return rowwise(lambda b: b.float().mean(dim=1).to(b.dtype), blocks, row_invariant)
 
 
 def select_decode_tokens(

@@ -86,7 +86,7 @@ def build_stage(
     with torch.device(device):
         model = FlashNext(cfg, layers).to(dtype)
     model.load_state_dict(weights, strict=True)
-    model.eval().fuse_projections()
+    model.eval().prepare()
     kinds = KindRange.of(cfg, layers)
     slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds)
     pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
