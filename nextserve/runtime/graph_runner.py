@@ -20,6 +20,19 @@ from ..model.flash_next import FlashNext
 log = logging.getLogger("nextserve.graphs")
 
 
+def step_input_buffers(
+    rows: int, max_pages: int, device: torch.device | str, pin: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bytes, meta [3, rows] int64: ids, positions, slots, table [rows, max_pages] int32), meta and table
+    being views of the one byte buffer: a replay's inputs go to the device in one copy."""
+    meta_bytes = 3 * rows * 8
+    raw = torch.zeros(meta_bytes + rows * max_pages * 4, dtype=torch.uint8, device=device)
+    if pin:
+        raw = raw.pin_memory()
+    meta = raw[:meta_bytes].view(torch.int64).view(3, rows)
+    return raw, meta, raw[meta_bytes:].view(torch.int32).view(rows, max_pages)
+
+
 def bucket_sizes(max_rows: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows itself)."""
     sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8))
@@ -37,12 +50,10 @@ class GraphRunner:
         self.buckets = bucket_sizes(max_rows)
         G = self.buckets[-1]
         dev = pool.k.device
-        self.meta = torch.zeros((3, G), dtype=torch.long, device=dev)  # ids, positions, slots
-        self.table = torch.zeros((G, max_pages), dtype=torch.int32, device=dev)
-        self.meta_host = torch.zeros((3, G), dtype=torch.long).pin_memory()
-        self.table_host = torch.zeros((G, max_pages), dtype=torch.int32).pin_memory()
+        self.inputs, self.meta, self.table = step_input_buffers(G, max_pages, dev, pin=False)
+        self.inputs_host, meta_host, table_host = step_input_buffers(G, max_pages, "cpu", pin=True)
         # NOTE: filled through numpy views of the pinned buffers (see fill_block_tables).
-        self._meta_np, self._table_np = self.meta_host.numpy(), self.table_host.numpy()
+        self._meta_np, self._table_np = meta_host.numpy(), table_host.numpy()
         # bucket -> (graph, logits [G, V], their argmax [G]: greedy rows read only this)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
@@ -62,10 +73,9 @@ class GraphRunner:
         m[0, :B], m[1, :B], m[2, :B] = ids, positions, slots
         m[:2, B:G], m[2, B:G] = 0, self.states.scratch_slot
         fill_block_tables(t[:G], tables, self.pool.scratch_page)
-        # NOTE: the whole meta buffer (3 x max rows, a few hundred bytes): a [:, :G] slice is not
-        # contiguous, and torch stages a non-contiguous host copy through pageable memory.
-        self.meta.copy_(self.meta_host, non_blocking=True)
-        self.table[:G].copy_(self.table_host[:G], non_blocking=True)
+        # NOTE: one copy: the whole meta (3 x max rows, a few hundred bytes), then the bucket's table rows
+        n = self.meta.numel() * 8 + G * self.table.shape[1] * 4
+        self.inputs[:n].copy_(self.inputs_host[:n], non_blocking=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

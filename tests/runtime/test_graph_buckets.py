@@ -8,7 +8,7 @@ import torch
 
 from nextserve.cache.kv_pool import KVPool
 from nextserve.cache.states import StateSlots
-from nextserve.runtime.graph_runner import GraphRunner, bucket_sizes
+from nextserve.runtime.graph_runner import GraphRunner, bucket_sizes, step_input_buffers
 
 
 def test_bucket_sizes_cover_every_batch() -> None:
@@ -38,13 +38,16 @@ def test_fill_pads_with_the_scratch_slot_and_page(oracle_config) -> None:
     pool = KVPool(oracle_config, 2, 9, 16, torch.float32)
     g = GraphRunner.__new__(GraphRunner)  # no CUDA here: set the buffers up by hand
     g.pool, g.states = pool, slots
-    g.meta, g.table = torch.full((3, 4), -1, dtype=torch.long), torch.full((4, 3), -1, dtype=torch.int32)
-    g.meta_host, g.table_host = torch.zeros((3, 4), dtype=torch.long), torch.zeros((4, 3), dtype=torch.int32)
-    g._meta_np, g._table_np = g.meta_host.numpy(), g.table_host.numpy()
+    g.inputs, g.meta, g.table = step_input_buffers(4, 3, "cpu", pin=False)
+    g.inputs.fill_(255)  # -1 in every field: what the fill does not write shows
+    g.inputs_host, meta_host, table_host = step_input_buffers(4, 3, "cpu", pin=False)
+    g._meta_np, g._table_np = meta_host.numpy(), table_host.numpy()
     g._fill([11, 12], [40, 7], [2, 0], [[5, 6, 1], [3]], G=4)
     assert g.meta.tolist() == [[11, 12, 0, 0], [40, 7, 0, 0], [2, 0, 4, 4]]
     assert g.table.tolist() == [[5, 6, 1], [3, 9, 9], [9, 9, 9], [9, 9, 9]]
-    g._fill([13], [8], [1], [[2]], G=1)  # a smaller bucket rewrites only its rows
-    assert g.meta[:, 0].tolist() == [13, 8, 1] and g.table[0].tolist() == [2, 9, 9]
+    g.inputs.fill_(255)
+    g._fill([13], [8], [1], [[2]], G=1)  # a smaller bucket copies the meta and only its table rows
+    assert g.meta.tolist() == [[13, 12, 0, 0], [8, 7, 0, 0], [1, 0, 4, 4]]  # columns past G: stale, unread
+    assert g.table.tolist() == [[2, 9, 9], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]
     with pytest.raises(ValueError, match="exceeds"):
         g._fill([1], [1], [1], [[1, 2, 3, 4]], G=1)
