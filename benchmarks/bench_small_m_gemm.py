@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--sweep-m", type=int, nargs="+", default=[1], help="row counts of the sweep")
     ap.add_argument("--rules", nargs="+", default=None, metavar="TARGET:MIN_SPLIT",
                     help="only compare split rules (gemv's TARGET_PROGRAMS:MIN_SPLIT_K_TILES)")  # fmt: skip
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="NxK", help="only these weight shapes")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -236,6 +237,8 @@ def main() -> None:
     bw = copy_bandwidth(dev, 1 << 30)
     shapes: dict[tuple[int, int], dict] = {}
     for what, N, K, calls in SHAPES:
+        if args.shapes and f"{N}x{K}" not in args.shapes:
+            continue
         entry = shapes.setdefault((N, K), {"what": [], "calls": 0})
         entry["what"].append(what)
         entry["calls"] += calls
