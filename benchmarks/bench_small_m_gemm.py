@@ -39,8 +39,12 @@ SHAPES = [  # the decode step's projections as the engine runs them (stacked by 
     ("hyper-connections down|inject (8 layers x 2)", 324, 10240, 16),
     ("hyper-connections mixer down", 320, 10240, 1),
     ("hyper-connections up (8 layers x 2, mixer)", 10240, 320, 17),
-    ("MoE router|shared gate|up|shared-expert gate (8 layers)", 1793, 2560, 8),
-    ("MoE shared down (8 layers)", 2560, 640, 8),
+    (
+        "MoE router|shared-expert gate (8 layers; the shared expert rides the grouped expert kernels)",
+        513,
+        2560,
+        8,
+    ),
 ]
 REPS, REPLAYS, TRIALS = 20, 10, 7
 
