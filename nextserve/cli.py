@@ -40,7 +40,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "speculative_tokens": "most draft tokens per verify window (1..32)",
     "pipeline_stages": "split the layers into this many contiguous ranges, one process each (on CUDA, one "
     "GPU each), activations passed stage to stage bit for bit (decode runs eagerly in stages; not with "
-    "the host image store or speculation yet)",
+    "mtp speculation yet)",
     "pipeline_devices": "CUDA device indices of the stages, comma-separated, one per stage (e.g. 1,0); "
     "default: consecutive from --device's index (cuda: 0,1,...)",
     "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "

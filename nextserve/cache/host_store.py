@@ -30,16 +30,25 @@ class HostImage:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def pages_to_host(pool: KVPool, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host copies of the pages' k, v and block-key planes [n_attn, n_pages, ...]."""
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
+    return tuple(plane[:, idx].to("cpu", copy=True) for plane in (pool.k, pool.v, pool.block_keys))
+
+
+def pages_from_host(
+    pool: KVPool, pages: list[int], k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
+) -> None:
+    """Write `pages_to_host`'s copies into the pool's `pages` (bit for bit)."""
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
+    for plane, host in ((pool.k, k), (pool.v, v), (pool.block_keys, keys)):
+        plane[:, idx] = host.to(plane.device)
+
+
 def spill(pool: KVPool, image: SequenceImage) -> HostImage:
     """Copy an image to host memory and drop its device page references."""
-    pages = torch.tensor(image.pages, dtype=torch.long, device=pool.k.device)
-    host = HostImage(
-        image.length,
-        {name: t.to("cpu", copy=True) for name, t in image.state.items()},
-        pool.k[:, pages].to("cpu", copy=True),
-        pool.v[:, pages].to("cpu", copy=True),
-        pool.block_keys[:, pages].to("cpu", copy=True),
-    )
+    state = {name: t.to("cpu", copy=True) for name, t in image.state.items()}
+    host = HostImage(image.length, state, *pages_to_host(pool, image.pages))
     release_image(pool, image)
     return host
 
@@ -51,10 +60,7 @@ def unspill(pool: KVPool, host: HostImage, device: torch.device) -> SequenceImag
     if pool.num_free < n:
         return None
     pages = pool.alloc(n)
-    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
-    pool.k[:, idx] = host.k.to(pool.k.device)
-    pool.v[:, idx] = host.v.to(pool.v.device)
-    pool.block_keys[:, idx] = host.block_keys.to(pool.block_keys.device)
+    pages_from_host(pool, pages, host.k, host.v, host.block_keys)
     state = {name: t.to(device, copy=True) for name, t in host.state.items()}
     return SequenceImage(host.length, state, pages)
 

@@ -34,6 +34,8 @@ class PrefixCache:
         self.pool, self.chunk, self.capacity, self.host = pool, chunk, capacity, host
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self.host_hits = 0  # lookups served by bringing an image back from the host store
+        # NOTE: the pipeline's driver has every stage repeat these on its own planes (StageMirror)
+        self.spill, self.unspill = spill, unspill
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,7 +54,7 @@ class PrefixCache:
                 self._entries.move_to_end(hashes[k])
                 return entry.image
             if self.host is not None and (host := self.host.get(hashes[k], tokens)) is not None:
-                image = unspill(self.pool, host, self.pool.k.device)
+                image = self.unspill(self.pool, host, self.pool.k.device)
                 if image is None:
                     continue  # no free pages to bring it back: a shorter image or a cold prefill
                 self.host.drop(hashes[k])
@@ -87,7 +89,7 @@ class PrefixCache:
             if entry.image is not keep:
                 del self._entries[key]
                 if self.host is not None:
-                    self.host.put(key, entry.tokens, spill(self.pool, entry.image))
+                    self.host.put(key, entry.tokens, self.spill(self.pool, entry.image))
                 else:
                     release_image(self.pool, entry.image)
                 return True

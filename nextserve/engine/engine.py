@@ -128,6 +128,8 @@ class LLMEngine:
                 graphs.capture()
         if stages > 1:
             self.runner = PipelineRunner(config, self.model, self.pool, self.slots, ranges, devices)
+            if self.prefix is not None and self.prefix.host is not None:
+                self.runner.mirror.mirror_host(self.prefix)  # every stage moves its share of an image
         else:
             self.runner = ModelRunner(
                 self.model, self.device, self.pool, self.slots, graphs, config.pdl,
@@ -142,10 +144,8 @@ class LLMEngine:
         c, L = self.config, self.model_config.num_hidden_layers
         if model is not None:
             raise ConfigError("pipeline stages load their own layers' weights from --model")
-        if c.host_state_slots or c.speculative_method == "mtp":
-            raise ConfigError(
-                "pipeline stages do not run with the host image store or MTP speculation yet (CPU or GPU)"
-            )
+        if c.speculative_method == "mtp":
+            raise ConfigError("pipeline stages do not run with MTP speculation yet (CPU or GPU)")
         if c.pipeline_stages > L:
             raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
         devices = c.stage_devices()

@@ -7,7 +7,10 @@ import weakref
 
 import torch
 
+from ..cache.host_store import HostImage
 from ..cache.kv_pool import KVPool
+from ..cache.prefix import PrefixCache
+from ..cache.sequence import SequenceImage
 from ..cache.states import StateSlots
 
 
@@ -19,8 +22,10 @@ class _StateCopy(dict):
 
 class StageMirror:
     """Records what the driver does to its own planes outside a forward, which every other stage repeats
-    on its planes before the next step's batches: page copies (copy-on-write) and prefix images' slot
-    states, taken (`save`), restored (`load`) and dropped once the driver's copy is gone (`drop`)."""
+    on its planes before the next step's batches: page copies (copy-on-write), prefix images' slot
+    states, taken (`save`), restored (`load`) and dropped once the driver's copy is gone (`drop`), and
+    with a host image store (`mirror_host`) images moved to host memory (`spill`), brought back into
+    fresh pages (`unspill`) and dropped there (`host_drop`)."""
 
     def __init__(self, pool: KVPool, slots: StateSlots) -> None:
         self.ops: list[tuple] = []
@@ -50,8 +55,42 @@ class StageMirror:
             mirrored_copy_in,
         )
 
+    def mirror_host(self, prefix: PrefixCache) -> None:
+        """Record the prefix cache's moves to and from its host image store."""
+        spill, unspill = prefix.spill, prefix.unspill
+        host_ids = iter(range(1 << 62))
+
+        def mirrored_spill(pool: KVPool, image: SequenceImage) -> HostImage:
+            key, pages = self._key_of(image.state), list(image.pages)
+            host = spill(pool, image)
+            host.mirror_id = next(host_ids)  # type: ignore[attr-defined]
+            self.ops.append(("spill", key, host.mirror_id, pages))  # before its pages can be reused
+            weakref.finalize(host, self._host_drop, host.mirror_id)
+            return host
+
+        def mirrored_unspill(pool: KVPool, host: HostImage, device: torch.device) -> SequenceImage | None:
+            image = unspill(pool, host, device)
+            if image is None:
+                return None
+            state = _StateCopy(image.state)
+            state.key, self._keys = self._keys, self._keys + 1
+            self.ops.append(("unspill", host.mirror_id, image.pages, state.key))  # type: ignore[attr-defined]
+            weakref.finalize(state, self._drop, state.key)
+            return SequenceImage(image.length, state, image.pages)
+
+        prefix.spill, prefix.unspill = mirrored_spill, mirrored_unspill
+
+    @staticmethod
+    def _key_of(state: dict) -> int:
+        if not isinstance(state, _StateCopy):
+            raise RuntimeError("an image whose slot state the pipeline stages do not hold")
+        return state.key
+
     def _drop(self, key: int) -> None:
         self.ops.append(("drop", key))
+
+    def _host_drop(self, host_id: int) -> None:
+        self.ops.append(("host_drop", host_id))
 
     def take(self) -> list[tuple]:
         ops, self.ops = self.ops, []

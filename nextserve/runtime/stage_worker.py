@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.host_store import pages_from_host, pages_to_host
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
@@ -88,6 +89,7 @@ class StageWorker(ModelRunner):
         self.channel, self.transport = channel, transport
         self.nH = model.cfg.hc_hidden
         self.saved: dict[int, dict[str, torch.Tensor]] = {}  # this stage's prefix-image slot states
+        self.host_saved: dict[int, tuple] = {}  # its share of the images in the driver's host store
 
     def _apply(self, ops: list[tuple]) -> None:
         """Repeat the driver's cache operations on this stage's planes (stage 0 did them itself)."""
@@ -100,8 +102,19 @@ class StageWorker(ModelRunner):
             elif op == "load":
                 key, slot = args
                 self.states.copy_in(slot, self.saved[key])
-            else:  # drop
+            elif op == "drop":
                 self.saved.pop(args[0], None)
+            elif op == "spill":  # the image's pages are free after this: copy them out first
+                key, host_id, pages = args
+                state = {name: t.to("cpu", copy=True) for name, t in self.saved[key].items()}
+                self.host_saved[host_id] = (state, pages_to_host(self.pool, pages))
+            elif op == "unspill":
+                host_id, pages, key = args
+                state, planes = self.host_saved[host_id]
+                pages_from_host(self.pool, pages, *planes)
+                self.saved[key] = {name: t.to(self.device, copy=True) for name, t in state.items()}
+            else:  # host_drop
+                self.host_saved.pop(args[0], None)
 
     # NOTE: every stage sends every item (a prefill chunk, the decode batch) on, a status first, so the
     # stages stay in step when one fails (C2): a stage whose forward raised, or whose input came marked
