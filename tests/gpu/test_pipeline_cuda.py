@@ -64,6 +64,27 @@ def test_two_stages_on_one_gpu_through_host_memory(small_model_dir, dtype: str) 
         split.close()
 
 
+def test_host_image_store_through_stages_on_one_gpu(small_model_dir) -> None:
+    """Two stages on cuda:0 with one device image and a host store: images spilled from and brought back
+    to every stage's GPU planes give the single-GPU outputs (without prefix reuse), request by request."""
+    base = _prompts()[2]
+    prompts = [base, base[::-1], base + [11, 12, 13], base[::-1] + [5], base + [11, 12, 13]]
+    one = LLM(str(small_model_dir), dtype="bfloat16", **FLAGS)
+    want = [one.generate([p], PARAMS[0])[0] for p in prompts]
+    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport="host")
+    split = LLM(
+        str(small_model_dir), dtype="bfloat16", prefix_cache_images=1, host_state_slots=4, **flags, **FLAGS
+    )
+    try:
+        _same(want, [split.generate([p], PARAMS[0])[0] for p in prompts])
+        assert split.stats()["host_image_hits"] >= 1
+        split.engine.clear_prefix_cache()
+        split.generate([_prompts()[3]], PARAMS[0])
+        _pool_full(split)
+    finally:
+        split.close()
+
+
 @two_gpus
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("transport", ["nccl", "host"])
