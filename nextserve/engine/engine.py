@@ -85,11 +85,11 @@ class LLMEngine:
         if stages > 1:
             self.model, self.pool, self.slots = build_stage(
                 config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size,
-                self.device,
+                self.device, self.max_context,
             )  # fmt: skip
         else:
             self.model = load_model(config, cfg) if model is None else model.eval()
-            self.model.prepare()
+            self.model.prepare(self.max_context)
             self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
         host = (
@@ -127,7 +127,9 @@ class LLMEngine:
             with pdl_mode(config.pdl):  # the graphs hold the launches as captured
                 graphs.capture()
         if stages > 1:
-            self.runner = PipelineRunner(config, self.model, self.pool, self.slots, ranges, devices)
+            self.runner = PipelineRunner(
+                config, self.model, self.pool, self.slots, ranges, devices, self.max_context
+            )
             if self.prefix is not None and self.prefix.host is not None:
                 self.runner.mirror.mirror_host(self.prefix)  # every stage moves its share of an image
         else:

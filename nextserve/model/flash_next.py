@@ -48,9 +48,10 @@ class FlashNext(nn.Module):
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
         self.rotary_table: torch.Tensor | None = None  # [P, 2 * rot] cos | sin of every position (prepare)
 
-    def prepare(self) -> None:
+    def prepare(self, max_positions: int | None = None) -> None:
         """After loading weights, before serving: stack the projections and, on CUDA, tabulate the rotary
-        cos and sin of every position."""
+        cos and sin of every position below `max_positions` (the engine's max_context; default the
+        model's max_position_embeddings)."""
         self.fuse_projections()
         dev, dtype = self.inv_freq.device, next(self.parameters()).dtype
         if dev.type == "cuda" and self.rotary_table is None:
@@ -59,8 +60,13 @@ class FlashNext(nn.Module):
             # saves launches: a decode step took cos and sin three times (the rope, each QSA block key),
             # about six launches each, where a gather is one. (On the CPU, vectorised cos/sin may round a
             # row by its place in the tensor, so the CPU keeps computing them row by row.)
-            positions = torch.arange(self.cfg.max_position_embeddings + ROTARY_MARGIN, device=dev)
+            positions = torch.arange(self.rotary_rows(max_positions), device=dev)
             self.rotary_table = torch.cat(cos_sin(positions, self.inv_freq, dtype), dim=-1)
+
+    def rotary_rows(self, max_positions: int | None = None) -> int:
+        """Rows of the rotary table: every position a sequence of max_positions tokens reaches, and the
+        ROTARY_MARGIN a verify window or an MTP draft chain reaches past its last one."""
+        return (max_positions or self.cfg.max_position_embeddings) + ROTARY_MARGIN
 
     def fuse_projections(self) -> None:
         """Stack the projections that read one input (see params.fuse_rows); after loading weights."""

@@ -72,11 +72,12 @@ class StageSetup:
     device: str  # this stage's: "cpu" or "cuda:N"
     transport: str  # "nccl" or "host" (stage_transport.py)
     pdl: bool
+    max_context: int  # the engine's: the positions a stage's rotary table covers
 
 
 def build_stage(
     model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
-    page_size: int, device: torch.device | str = "cpu",
+    page_size: int, device: torch.device | str = "cpu", max_context: int | None = None,
 ) -> tuple[FlashNext, KVPool, StateSlots]:  # fmt: skip
     """One stage's layers (with their weights only), state slots and KV pool."""
     last = layers.stop == cfg.num_hidden_layers
@@ -86,7 +87,7 @@ def build_stage(
     with torch.device(device):
         model = FlashNext(cfg, layers).to(dtype)
     model.load_state_dict(weights, strict=True)
-    model.eval().prepare()
+    model.eval().prepare(max_context)
     kinds = KindRange.of(cfg, layers)
     slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds)
     pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
@@ -99,7 +100,7 @@ class PipelineRunner(StageWorker):
 
     def __init__(
         self, config: EngineConfig, model: FlashNext, pool: KVPool, slots: StateSlots, stages: list[range],
-        devices: list[torch.device],
+        devices: list[torch.device], max_context: int,
     ) -> None:  # fmt: skip
         port = free_port()
         cfg, dtype, kind = model.cfg, pool.k.dtype, config.stage_transport_kind()
@@ -109,7 +110,7 @@ class PipelineRunner(StageWorker):
         for rank in range(1, len(stages)):
             setup = StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
                                pool.page_size, rank, len(stages), port, torch.get_num_threads(),
-                               str(devices[rank]), kind, config.pdl)  # fmt: skip
+                               str(devices[rank]), kind, config.pdl, max_context)  # fmt: skip
             # NOTE: a session of its own: a terminal's Ctrl-C or a supervisor's signal to the process
             # group reaches the driver only, which then stops the stages in order (`close`).
             proc = subprocess.Popen(
