@@ -30,6 +30,11 @@ class HostImage:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def copy_state(state: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A slot-state copy's tensors copied to `device`."""
+    return {name: t.to(device, copy=True) for name, t in state.items()}
+
+
 def pages_to_host(pool: KVPool, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host copies of the pages' k, v and block-key planes [n_attn, n_pages, ...]."""
     idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
@@ -47,8 +52,7 @@ def pages_from_host(
 
 def spill(pool: KVPool, image: SequenceImage) -> HostImage:
     """Copy an image to host memory and drop its device page references."""
-    state = {name: t.to("cpu", copy=True) for name, t in image.state.items()}
-    host = HostImage(image.length, state, *pages_to_host(pool, image.pages))
+    host = HostImage(image.length, copy_state(image.state, "cpu"), *pages_to_host(pool, image.pages))
     release_image(pool, image)
     return host
 
@@ -61,8 +65,7 @@ def unspill(pool: KVPool, host: HostImage, device: torch.device) -> SequenceImag
         return None
     pages = pool.alloc(n)
     pages_from_host(pool, pages, host.k, host.v, host.block_keys)
-    state = {name: t.to(device, copy=True) for name, t in host.state.items()}
-    return SequenceImage(host.length, state, pages)
+    return SequenceImage(host.length, copy_state(host.state, device), pages)
 
 
 class HostImageStore:

@@ -89,6 +89,10 @@ def indexer_open_block(
         from .triton.qsa_tail import triton_indexer_open_block
 
         return triton_indexer_open_block(raw, tail_plane, slots, positions, c)
+    return _indexer_open_block_reference(raw, tail_plane, slots, positions, c, row_invariant)
+
+
+def _indexer_open_block_reference(raw, tail_plane, slots, positions, c: int, row_invariant: bool = False):
     B, di = raw.shape
     r = positions % c  # the row's place in its block
     block = torch.cat([tail_plane.index_select(0, slots), raw[:, None, :]], dim=1)  # [B, c, di]

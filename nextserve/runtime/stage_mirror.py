@@ -37,10 +37,8 @@ class StageMirror:
             self.ops.append(("copy_page", src, dst))
 
         def mirrored_copy_out(slot: int) -> _StateCopy:
-            state = _StateCopy(copy_out(slot))
-            state.key, self._keys = self._keys, self._keys + 1
+            state = self._keyed(copy_out(slot))
             self.ops.append(("save", state.key, slot))
-            weakref.finalize(state, self._drop, state.key)  # not self.ops.append: `take` swaps the list
             return state
 
         def mirrored_copy_in(slot: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -58,12 +56,11 @@ class StageMirror:
     def mirror_host(self, prefix: PrefixCache) -> None:
         """Record the prefix cache's moves to and from its host image store."""
         spill, unspill = prefix.spill, prefix.unspill
-        host_ids = iter(range(1 << 62))
 
         def mirrored_spill(pool: KVPool, image: SequenceImage) -> HostImage:
             key, pages = self._key_of(image.state), list(image.pages)
             host = spill(pool, image)
-            host.mirror_id = next(host_ids)  # type: ignore[attr-defined]
+            host.mirror_id = self._new_key()  # type: ignore[attr-defined]
             self.ops.append(("spill", key, host.mirror_id, pages))  # before its pages can be reused
             weakref.finalize(host, self._host_drop, host.mirror_id)
             return host
@@ -72,13 +69,22 @@ class StageMirror:
             image = unspill(pool, host, device)
             if image is None:
                 return None
-            state = _StateCopy(image.state)
-            state.key, self._keys = self._keys, self._keys + 1
+            state = self._keyed(image.state)
             self.ops.append(("unspill", host.mirror_id, image.pages, state.key))  # type: ignore[attr-defined]
-            weakref.finalize(state, self._drop, state.key)
             return SequenceImage(image.length, state, image.pages)
 
         prefix.spill, prefix.unspill = mirrored_spill, mirrored_unspill
+
+    def _new_key(self) -> int:
+        self._keys += 1
+        return self._keys - 1
+
+    def _keyed(self, tensors: dict[str, torch.Tensor]) -> _StateCopy:
+        """A slot-state copy under a new key, whose drop is recorded once the driver lets it go."""
+        state = _StateCopy(tensors)
+        state.key = self._new_key()
+        weakref.finalize(state, self._drop, state.key)  # not self.ops.append: `take` swaps the list
+        return state
 
     @staticmethod
     def _key_of(state: dict) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.host_store import pages_from_host, pages_to_host
+from ..cache.host_store import copy_state, pages_from_host, pages_to_host
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
@@ -106,13 +106,15 @@ class StageWorker(ModelRunner):
                 self.saved.pop(args[0], None)
             elif op == "spill":  # the image's pages are free after this: copy them out first
                 key, host_id, pages = args
-                state = {name: t.to("cpu", copy=True) for name, t in self.saved[key].items()}
-                self.host_saved[host_id] = (state, pages_to_host(self.pool, pages))
+                self.host_saved[host_id] = (
+                    copy_state(self.saved[key], "cpu"),
+                    pages_to_host(self.pool, pages),
+                )
             elif op == "unspill":
                 host_id, pages, key = args
                 state, planes = self.host_saved[host_id]
                 pages_from_host(self.pool, pages, *planes)
-                self.saved[key] = {name: t.to(self.device, copy=True) for name, t in state.items()}
+                self.saved[key] = copy_state(state, self.device)
             else:  # host_drop
                 self.host_saved.pop(args[0], None)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton_interp import DEV, needs_cuda, small
 
-from nextserve.ops.attention import block_mean, indexer_open_block
+from nextserve.ops.attention import _indexer_open_block_reference, indexer_open_block
 from nextserve.ops.rope import cos_sin, inv_freq
 from nextserve.ops.triton.qsa_tail import triton_indexer_open_block
 
@@ -61,11 +61,7 @@ def test_cuda_matches_reference(dtype: torch.dtype) -> None:
     for B, seed in [(1, 1), (7, 2), (64, 3)]:
         raw, tail, slots, positions = _case(B, 80, 4, 128, dtype, seed, "cuda")
         tail_ref = tail.clone()
-        r = positions % 4  # the reference's torch ops, on the GPU
-        block = torch.cat([tail_ref.index_select(0, slots), raw[:, None, :]], dim=1)
-        block = block.scatter(1, r[:, None, None].expand(B, 1, 128), raw[:, None, :])
-        tail_ref.index_copy_(0, slots, block[:, :3])
-        ref = (block_mean(block), positions - r)
+        ref = _indexer_open_block_reference(raw, tail_ref, slots, positions, 4)  # torch ops, on the GPU
         got = triton_indexer_open_block(raw, tail, slots, positions, 4)
         assert torch.equal(got[1], ref[1]) and torch.equal(tail, tail_ref)
         assert torch.equal(got[0], ref[0]), (B, (got[0].float() - ref[0].float()).abs().max())
