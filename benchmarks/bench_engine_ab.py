@@ -25,6 +25,7 @@ from nextserve.bench.model import bench_config, engine_for_model, random_flash_n
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.config import EngineConfig  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
+from nextserve.engine.scheduler import Chunk  # noqa: E402
 
 
 def _decoding(engine) -> bool:
@@ -47,7 +48,7 @@ def replay_ms(engine, steps: int) -> float | None:
     graphs, rows = engine.runner.graphs, engine.scheduler.running
     if graphs is None:
         return None
-    inputs = engine.runner.decode_inputs([type("C", (), {"seq": s, "start": s.num_computed})() for s in rows])
+    inputs = engine.runner.window_inputs([Chunk(s, s.num_computed, s.num_computed + 1) for s in rows], 1)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nextserve.bench.model import bench_config, engine_for_model, random_flash_next  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
+from nextserve.engine.scheduler import Chunk  # noqa: E402
 
 
 def kernel_table(engine, top: int) -> dict:
@@ -75,14 +76,14 @@ def host_profile(engine, steps: int, top: int = 15) -> list[dict]:
 
 def replay_phases(graphs, inputs, steps: int) -> dict:
     """Host microseconds per replay: filling the inputs, the graph launch call, then waiting for the GPU."""
-    ids, positions, slots, tables = inputs
-    B = len(ids)
+    rows, tables = inputs
+    B = rows.shape[2]
     G = next(b for b in graphs.buckets if b >= B)
-    graph = graphs.graphs[G][0]
+    graph = graphs.graphs[(1, G)][0]
     fill = launch = wait = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
-        graphs._fill(ids, positions, slots, tables, G)
+        graphs._fill(rows, tables, 1, G)
         t1 = time.perf_counter()
         graph.replay()
         t2 = time.perf_counter()
@@ -213,8 +214,8 @@ def main() -> None:
         sync()
         step_ms = (time.perf_counter() - t) / args.steps * 1000
         rows = engine.scheduler.running
-        inputs = engine.runner.decode_inputs(
-            [type("C", (), {"seq": s, "start": s.num_computed})() for s in rows]
+        inputs = engine.runner.window_inputs(
+            [Chunk(s, s.num_computed, s.num_computed + 1, sample=True) for s in rows], 1
         )  # a replay of the same rows (their state advances; timing only)
         replay_ms = None
         if engine.runner.graphs is not None:

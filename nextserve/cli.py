@@ -32,8 +32,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "host_state_slots": "prefix images kept in host memory when the device keeps no more "
     "(needs --prefix-cache-images; 0: off); a prompt resumes from them as from device images",
     "host_kv_mib": "host memory (MiB) the host image store may hold",
-    "cuda_graph": "replay each decode step as a CUDA graph per batch-size bucket (GPU only; "
-    "--no-cuda-graph runs the same kernels eagerly)",
+    "cuda_graph": "replay each decode step (and, when speculating, each step's verify windows) as a "
+    "CUDA graph per batch-size bucket (GPU only; --no-cuda-graph runs the same kernels eagerly)",
     "speculative_method": "off; ngram: propose draft tokens by looking the last 3 (then 2) tokens up "
     "earlier in the sequence; mtp: draft with the model's MTP block (needs mtp.* weights). Drafts are "
     "checked by one verify window (outputs unchanged)",

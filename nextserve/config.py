@@ -274,7 +274,7 @@ class EngineConfig:
     seed: int = 0
     prefix_cache_images: int = 0  # grid images kept for prefix reuse (0: off)
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
-    cuda_graph: bool = True  # replay decode steps as CUDA graphs (GPU only)
+    cuda_graph: bool = True  # replay decode steps and verify windows as CUDA graphs (GPU only)
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
     speculative_method: str = "off"  # "ngram" (prompt lookup) or "mtp" (the MTP block): drafts to verify
     speculative_tokens: int = 4  # draft tokens per verify window at most

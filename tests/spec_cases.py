@@ -125,3 +125,75 @@ def mtp_drafts_resumed_as_cold(model_dir, flags: dict, prompts, params) -> tuple
         assert cold_log.of(p) and warm_log.of(p)[: len(cold_log.of(p))] == cold_log.of(p)
     warm.engine.clear_prefix_cache()
     return cold, warm
+
+
+TARGET_STATE = ("gdn_conv", "gdn_rec", "ple_ctx", "ple_conv")
+
+
+def target_state(eng: LLMEngine, slot: int) -> dict[str, torch.Tensor]:
+    """The slot's state that verify windows keep and rewind (all but the MTP layer's)."""
+    s = eng.slots
+    out = {name: getattr(s, name)[:, slot].clone() for name in TARGET_STATE}
+    out["index_tail"] = s.index_tail[: s.index_tail.shape[0] - s.mtp_hidden.shape[0], slot].clone()
+    return out
+
+
+def check_window_batch(model_dir, flags: dict, k: int = 5, graph: bool = False) -> None:
+    """Verify windows of three sequences in one forward (ModelRunner._verify: W = k rows, two windows
+    shorter, so padded; `graph`: a CUDA graph replays it): every row up to a sequence's first wrong draft
+    gives serial decode's logits bit for bit, and each slot is left with the state serial decode has after
+    the committed rows, whether its window was rewound (a wrong draft) or not."""
+    from nextserve.engine.scheduler import Chunk
+
+    prompts = spec_prompts()
+    params = SamplingParams(max_tokens=k + 8, temperature=0.0, ignore_eos=True)
+    serial = LLMEngine(EngineConfig(model=str(model_dir), **flags))
+    logits, states = {}, {}  # request id -> per decode step: logits [V], target state after it
+    decode = serial.runner.decode_logits
+
+    def record(chunks):
+        out = decode(chunks)
+        for i, ch in enumerate(chunks):
+            logits.setdefault(ch.seq.request_id, []).append(out[0][i].clone())
+            states.setdefault(ch.seq.request_id, []).append(target_state(serial, ch.seq.cache.slot))
+        return out
+
+    serial.runner.decode_logits = record
+    rids = [serial.add_request(p, params) for p in prompts]
+    tokens = {}
+    while serial.has_unfinished():
+        tokens |= {o.request_id: o.token_ids for o in serial.step() if o.finished}
+    flags = flags | {"speculative_method": "ngram", "speculative_tokens": k}
+    eng = LLMEngine(EngineConfig(model=str(model_dir), **flags))
+    proposer, eng.scheduler.proposer = eng.scheduler.proposer, None  # plain decode until all have a token
+    seqs = [eng.sequences[eng.add_request(p, params)] for p in prompts]
+    while not all(s.output_ids for s in seqs):
+        eng.step()
+    eng.scheduler.proposer = proposer
+    # rows per window and the index of its first wrong draft (None: all right)
+    shapes = [(k, 2), (3, None), (2, 0)]
+    chunks, done = [], []  # done: decode steps each sequence ran before its window
+    for seq, rid, (n, wrong) in zip(seqs, rids, shapes, strict=True):
+        d = len(seq.output_ids) - 1
+        drafts = list(tokens[rid][d + 1 : d + n])
+        if wrong is not None:
+            drafts[wrong] = (drafts[wrong] + 1) % 256
+        chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n, sample=True, drafts=tuple(drafts)))
+        done.append(d)
+    windows = []
+    run = eng.runner.run_window
+    eng.runner.run_window = lambda *a: windows.append(run(*a)) or windows[-1]
+    results = eng.runner.execute_verifies(chunks)
+    window_logits = windows[0][1]
+    assert (windows[0][2] is not None) == graph  # a graph replay computes the argmax, eager does not
+    for b, (rid, (n, wrong), r, d) in enumerate(zip(rids, shapes, results, done, strict=True)):
+        assert r.error is None, r.error
+        n_kept = n if wrong is None else wrong + 1
+        assert r.computed == chunks[b].start + n_kept
+        assert [r.token] + [t for t, _ in r.more] == tokens[rid][d + 1 : d + 1 + n_kept]
+        bad = [j for j in range(n_kept) if not torch.equal(window_logits[j, b], logits[rid][d + j])]
+        assert not bad, f"sequence {b}: window rows {bad} differ from serial decode"
+        want = states[rid][d + n_kept - 1]
+        got = target_state(eng, chunks[b].seq.cache.slot)
+        bad = [name for name in want if not torch.equal(want[name], got[name])]
+        assert not bad, f"sequence {b}: {bad} differ from serial decode's after {n_kept} rows"

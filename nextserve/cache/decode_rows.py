@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..model.batch import KVView
+from ..model.batch import DecodeBatch, KVView, WindowBatch
 from .kv_pool import KVPool
 from .states import StateSlots
 
@@ -23,6 +23,32 @@ def fill_block_tables(out: np.ndarray, tables: list[list[int]], pad: int) -> Non
         out[r, : len(table)] = table
 
 
+# Fields of a window's host inputs and meta rows: token ids, positions, state slots, keep slots, table rows.
+WINDOW_FIELDS = 5
+
+
+def fill_window(
+    meta: np.ndarray,
+    table: np.ndarray,
+    inputs: np.ndarray,
+    tables: list[list[int]],
+    G: int,
+    scratch_slot: int,
+    scratch_page: int,
+) -> None:
+    """Lay out W steps of B rows (inputs [5, W, B] int64) for G >= B rows a step: meta [5, >= W*G] gets row
+    j*G + b, rows b >= B padding (token 0 at position 0 on the scratch slot, reading table row G, as do
+    the rows whose table row is -1); table [>= G+1, max_pages] gets the B block tables, rows B .. G
+    scratch pages."""
+    _, W, B = inputs.shape
+    pads = (0, 0, scratch_slot, scratch_slot, G)
+    for f in range(WINDOW_FIELDS):
+        m = meta[f, : W * G].reshape(W, G)  # a view: the slice is contiguous
+        m[:, :B] = inputs[f] if f < 4 else np.where(inputs[f] < 0, G, inputs[f])
+        m[:, B:] = pads[f]
+    fill_block_tables(table[: G + 1], tables, scratch_page)
+
+
 class DecodeRows:
     def __init__(
         self,
@@ -31,11 +57,14 @@ class DecodeRows:
         slots: torch.Tensor,
         positions: torch.Tensor,
         block_table: torch.Tensor,
+        keep_slots: torch.Tensor | None = None,
     ) -> None:
         """slots [B] int64; positions [B] int64 (each row's new token); block_table [B, max_pages]
-        int32, padded with any page (the decode ops never read past a row's position)."""
+        int32, padded with any page (the decode ops never read past a row's position); keep_slots [B]
+        int64: where `keep_state` copies each row's state (a verify window's step), or None."""
         self.pool, self.states = pool, states
         self.slots, self.positions, self.block_table = slots, positions, block_table
+        self.keep_slots = keep_slots
         # NOTE: every attention layer writes at the same (page, offset) and block-key address, so they
         # are computed once a step (a graph records them once, at the first layer that asks).
         self._kv_addr: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -76,3 +105,36 @@ class DecodeRows:
 
     def kv_view(self, attn_index: int) -> KVView:
         return KVView(*self.pool.planes(attn_index), self.block_table)
+
+    def keep_state(self, *planes: torch.Tensor) -> None:
+        # NOTE: padding rows keep from and to the scratch slot; duplicate targets there are harmless.
+        if self.keep_slots is None:
+            return
+        for plane in planes:
+            plane.index_copy_(0, self.keep_slots, plane.index_select(0, self.slots))
+
+
+def window_batch(
+    pool: KVPool,
+    states: StateSlots,
+    meta: torch.Tensor,
+    table: torch.Tensor,
+    W: int,
+    B: int,
+) -> WindowBatch:
+    """The WindowBatch of W steps of B rows over device tensors: meta [5, >= W*B] int64 (ids, positions,
+    slots, keep slots, table rows; row j*B + b is sequence b's j-th token), table [rows, max_pages] int32.
+    W = 1 is a decode step: its rows read table[:B] directly and keep nothing.
+
+    # NOTE: each step's block table is a gather of `table` rows (a window's padding rows read a row of
+    # scratch pages, so the table goes to the device once, not once per step); only steps 0 .. W-2 keep
+    # their state: the last one's is the slot's own."""
+    steps = []
+    for j in range(W):
+        r = slice(j * B, (j + 1) * B)
+        ids, pos, slots, keep, rows = meta[0, r], meta[1, r], meta[2, r], meta[3, r], meta[4, r]
+        step_table = table[:B] if W == 1 else table.index_select(0, rows)
+        kept = keep if j < W - 1 else None
+        steps.append(DecodeBatch(ids, pos, DecodeRows(pool, states, slots, pos, step_table, kept)))
+    n = W * B
+    return WindowBatch(meta[0, :n], meta[1, :n], tuple(steps))

@@ -55,9 +55,11 @@ class StateSlots:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kinds: KindRange | None = None,
+        window_steps: int = 0,
     ) -> None:
         """`kinds`: the state this holder keeps (default: every layer's, with `num_attn_layers`
-        attention planes)."""
+        attention planes). `window_steps`: slots kept per slot for rewinding verify windows (the
+        speculative drafts per window: a window of 1 + k rows keeps the state after each of its first k)."""
         if num_slots <= 0:
             raise ValueError("need at least one state slot")
         if kinds is None:
@@ -65,9 +67,11 @@ class StateSlots:
         elif len(kinds.attn) != num_attn_layers:
             raise ValueError(f"num_attn_layers {num_attn_layers} != the {len(kinds.attn)} of kinds")
         self.cfg, self.num_slots, self.kinds = cfg, num_slots, kinds
-        # NOTE: one slot more than the free list holds: the scratch slot of padded decode rows.
+        # NOTE: one slot more than the free list holds: the scratch slot of padded decode rows. After it
+        # come window_steps keep slots per slot (keep_slot), never allocated.
         self.scratch_slot = num_slots
-        nG, nP, S = len(kinds.gdn), len(kinds.ple), num_slots + 1
+        self.window_steps = window_steps
+        nG, nP, S = len(kinds.gdn), len(kinds.ple), num_slots + 1 + num_slots * window_steps
         kw = {"device": device}
         self.gdn_conv = torch.zeros(
             nG, S, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, **kw
@@ -107,6 +111,25 @@ class StateSlots:
         if self.mtp_hidden.shape[0] == 0:
             raise IndexError("the MTP layer's state is not held here")
         return self.mtp_hidden[0]
+
+    def keep_slot(self, slot: int, step: int) -> int:
+        """Where a verify window on `slot` keeps its state after its row `step` (< window_steps)."""
+        if not (0 <= slot < self.num_slots and 0 <= step < self.window_steps):
+            raise IndexError(f"no keep slot for slot {slot}, step {step} ({self.window_steps} steps)")
+        return self.num_slots + 1 + slot * self.window_steps + step
+
+    def rewind(self, kept: list[int], slots: list[int]) -> None:
+        """Restore each of `slots` from the keep slot at the same place in `kept`: every state a
+        window's step keeps (GDN, PLE, the target's indexer tails), not the MTP layer's (its tail and
+        input rows are the drafter's, runtime/mtp_runner.py)."""
+        if not slots:
+            return
+        dev = self.gdn_rec.device
+        src = torch.tensor(kept, dtype=torch.long, device=dev)
+        dst = torch.tensor(slots, dtype=torch.long, device=dev)
+        n_target = self.index_tail.shape[0] - self.mtp_hidden.shape[0]  # the MTP's tail plane is last
+        for field in (self.gdn_conv, self.gdn_rec, self.ple_ctx, self.ple_conv, self.index_tail[:n_target]):
+            field.index_copy_(1, dst, field.index_select(1, src))
 
     @property
     def num_free(self) -> int:

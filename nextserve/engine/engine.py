@@ -77,6 +77,13 @@ class LLMEngine:
         if stages > 1:
             ranges, devices = self._check_pipeline(model)
             self.device = devices[0]  # stage 0's, where the driver samples
+        if stages == 1:
+            # NOTE: before the KV pool is sized from the free memory: the keep slots of verify windows
+            # (speculative_tokens per slot) can take gigabytes at real widths.
+            steps = config.speculative_tokens if config.speculative_method != "off" else 0
+            self.slots = StateSlots(
+                cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
+            )
         capacity = self._kv_capacity(n_attn)
         self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
         if config.max_context is not None and config.max_context > capacity:
@@ -90,7 +97,6 @@ class LLMEngine:
         else:
             self.model = load_model(config, cfg) if model is None else model.eval()
             self.model.prepare(self.max_context)
-            self.slots = StateSlots(cfg, config.max_concurrency, n_attn, self.dtype, self.device)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
         host = (
             HostImageStore(config.host_state_slots, config.host_kv_mib * 2**20)
@@ -123,6 +129,7 @@ class LLMEngine:
                 self.slots,
                 self.pool.pages_for(self.max_context),
                 config.max_concurrency,
+                max_drafts=config.speculative_tokens if config.speculative_method != "off" else 0,
             )
             with pdl_mode(config.pdl):  # the graphs hold the launches as captured
                 graphs.capture()

@@ -120,6 +120,11 @@ class DecodeCache(Protocol):
 
     def kv_view(self, attn_index: int) -> KVView: ...
 
+    def keep_state(self, *planes: torch.Tensor) -> None:
+        """After the rows updated their slots in `planes` (one layer's state planes [S, ...]): copy those
+        slots' rows where a rewind finds them (a verify window's step); nothing for a plain decode step."""
+        ...
+
 
 @dataclass
 class DecodeBatch:
@@ -132,3 +137,31 @@ class DecodeBatch:
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass
+class WindowBatch:
+    """W decode steps of the same B sequences in one forward: B verify windows of W rows, step-major (row
+    j*B + b is sequence b's j-th token). Ops that read or write a row's state (convs, recurrences, the
+    indexer's open block, KV and attention) run step by step, each step a DecodeBatch of B rows, exactly
+    as W serial decode steps; the rest (projections, norms, MoE, hyper-connections) run on all W*B rows
+    at once, which is where a window is cheaper than W steps. A decode step is the window of W = 1."""
+
+    input_ids: torch.Tensor  # [W*B] int64
+    positions: torch.Tensor  # [W*B] int64
+    steps: tuple[DecodeBatch, ...]  # W; step j's tensors are rows j*B .. (j+1)*B of the above
+
+    @classmethod
+    def of(cls, batch: DecodeBatch) -> WindowBatch:
+        """One decode step as a window of one row per sequence."""
+        return cls(batch.input_ids, batch.positions, (batch,))
+
+    def rows(self) -> list[tuple[slice, DecodeBatch]]:
+        """(rows of step j in the W*B, step j) in step order."""
+        B = self.steps[0].num_rows
+        return [(slice(j * B, (j + 1) * B), step) for j, step in enumerate(self.steps)]
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The steps' outputs back to back (no copy for a single step: a decode step stays as it was)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

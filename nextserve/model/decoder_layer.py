@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..config import GDN, ModelConfig
-from .batch import DecodeBatch, ForwardBatch
+from .batch import DecodeBatch, ForwardBatch, WindowBatch
 from .gated_deltanet import GatedDeltaNet
 from .hyper import GatedResidual
 from .moe import SparseMoe
@@ -38,10 +38,14 @@ class DecoderLayer(nn.Module):
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch, rope) -> torch.Tensor:
         """x [B, nH] streams of decode rows -> [B, nH]; every op row-invariant."""
+        return self.window(x, WindowBatch.of(batch), rope)
+
+    def window(self, x: torch.Tensor, batch: WindowBatch, rope) -> torch.Tensor:
+        """x [W*B, nH] streams of W decode steps' rows (WindowBatch) -> [W*B, nH]; every op row-invariant."""
         if self.ple is not None:
-            x = x + self.ple.decode(x, batch)
+            x = x + self.ple.window(x, batch)
         if self.is_gdn:
-            x = self.attn_hyper_connection(x, lambda u: self.linear_attn.decode(u, batch), True)
+            x = self.attn_hyper_connection(x, lambda u: self.linear_attn.window(u, batch), True)
         else:
-            x = self.attn_hyper_connection(x, lambda u: self.self_attn.decode(u, batch, *rope), True)
+            x = self.attn_hyper_connection(x, lambda u: self.self_attn.window(u, batch, *rope), True)
         return self.mlp_hyper_connection(x, lambda u: self.mlp(u, True), True)

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..ops.linear import linear
 from ..ops.pointwise import rowwise
 from ..ops.rope import cos_sin, inv_freq
-from .batch import DecodeBatch, ForwardBatch
+from .batch import DecodeBatch, ForwardBatch, WindowBatch
 from .decoder_layer import DecoderLayer
 from .hyper import GatedResidual
 from .params import Weight
@@ -109,16 +109,22 @@ class FlashNext(nn.Module):
         return x
 
     def decode(self, batch: DecodeBatch, x: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row for B sequences: streams [B, nH] after this stage's last layer.
+        """One token per row for B sequences: streams [B, nH] after this stage's last layer."""
+        return self.window(WindowBatch.of(batch), x)
 
-        # NOTE: no host reads and no value-dependent shapes, so a step can be captured once per batch
-        # size and replayed as a CUDA graph; every op is row-invariant, so a row's bits do not depend
+    def window(self, batch: WindowBatch, x: torch.Tensor | None = None) -> torch.Tensor:
+        """W decode steps of B sequences in one forward (verify windows; W = 1 is a decode step): streams
+        [W*B, nH] after this stage's last layer, row j*B + b being what the j-th of W serial decode steps
+        gives sequence b, bit for bit.
+
+        # NOTE: no host reads and no value-dependent shapes, so a window can be captured once per
+        # (W, B) and replayed as a CUDA graph; every op is row-invariant, so a row's bits do not depend
         # on the rows (or padding rows) beside it (C1)."""
         if x is None:
             x = self.embed(batch.input_ids)
         rope = self.rope(batch.positions, x.dtype, True)
         for layer in self.layers.values():
-            x = layer.decode(x, batch, rope)
+            x = layer.window(x, batch, rope)
         return x
 
     def logits(self, streams: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:

@@ -9,7 +9,7 @@ from ..ops.conv import causal_conv, conv_step, conv_window
 from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step, recurrent_window
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
-from .batch import DecodeBatch, ForwardBatch
+from .batch import DecodeBatch, ForwardBatch, WindowBatch, cat_rows
 from .params import Weight, fuse_rows, project
 
 
@@ -81,9 +81,18 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row, state read and written through the rows' slots."""
+        return self.window(u, WindowBatch.of(batch))
+
+    def window(self, u: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+        """W decode steps' rows [W*B, H]: the projections on all rows, the conv and the recurrence step
+        by step on the rows' slots (each step's state kept for a rewind)."""
         qkv, z, g, beta = self._project(u, True)
-        conv, rec = batch.cache.gdn_planes(self.gdn_index)
-        slots = batch.cache.slots
-        x = conv_step(qkv, conv, slots, self.conv1d.weight[:, 0, :], silu=True)
-        q, k, v = self._split(x)
-        return self._output(recurrent_step(q, k, v, g, beta, rec, slots), z, True)
+        conv_w = self.conv1d.weight[:, 0, :]
+        core = []
+        for rows, step in batch.rows():
+            conv, rec = step.cache.gdn_planes(self.gdn_index)
+            slots = step.cache.slots
+            q, k, v = self._split(conv_step(qkv[rows], conv, slots, conv_w, silu=True))
+            core.append(recurrent_step(q, k, v, g[rows], beta[rows], rec, slots))
+            step.cache.keep_state(conv, rec)
+        return self._output(cat_rows(core), z, True)

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step, conv_window
 from ..ops.norms import rms_norm
 from ..ops.ple import ngram_contexts, ngram_ids, ple_decode_ids, ple_gate
-from .batch import DecodeBatch, ForwardBatch
+from .batch import DecodeBatch, ForwardBatch, WindowBatch, cat_rows
 from .params import Weight, fuse_rows, project
 
 _MASK64 = (1 << 64) - 1
@@ -131,11 +131,32 @@ class PLE(nn.Module):
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row; contexts and conv histories read and written through the rows' slots."""
-        emb, slots = self.ple_embedding, batch.cache.slots
-        ctx_plane, conv_plane = batch.cache.ple_planes(self.ple_index)
-        ids = ple_decode_ids(
-            ctx_plane, slots, batch.input_ids, emb.mult, emb.sizes, emb.offsets, emb.eos, emb.per_order
-        )  # [B, heads]; the slots' contexts now end with the new tokens
-        gated, normed = self._gated(ids, x, True)
-        conv = conv_step(normed, conv_plane, slots, self.conv1d.weight[:, 0, :], self.N, silu=True)
-        return gated + conv
+        return self.window(x, WindowBatch.of(batch))
+
+    def window(self, x: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+        """W decode steps' rows [W*B, nH]: n-gram contexts and the conv step by step on the rows' slots
+        (each step's state kept for a rewind), the embeddings and the gate on all rows."""
+        emb = self.ple_embedding
+        ids = []
+        for _, step in batch.rows():
+            ctx_plane, _ = step.cache.ple_planes(self.ple_index)
+            ids.append(
+                ple_decode_ids(
+                    ctx_plane,
+                    step.cache.slots,
+                    step.input_ids,
+                    emb.mult,
+                    emb.sizes,
+                    emb.offsets,
+                    emb.eos,
+                    emb.per_order,
+                )  # fmt: skip
+            )  # [B, heads]; the slots' contexts now end with the step's tokens
+            step.cache.keep_state(ctx_plane)
+        gated, normed = self._gated(cat_rows(ids), x, True)
+        conv_w, convs = self.conv1d.weight[:, 0, :], []
+        for rows, step in batch.rows():
+            _, conv_plane = step.cache.ple_planes(self.ple_index)
+            convs.append(conv_step(normed[rows], conv_plane, step.cache.slots, conv_w, self.N, silu=True))
+            step.cache.keep_state(conv_plane)
+        return gated + cat_rows(convs)

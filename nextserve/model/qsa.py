@@ -15,7 +15,7 @@ from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise, sigmoid_gate
 from ..ops.rope import apply_rope
-from .batch import DecodeBatch, ForwardBatch, KVView
+from .batch import DecodeBatch, ForwardBatch, KVView, WindowBatch, cat_rows
 from .params import Weight, fuse_rows, project
 
 
@@ -55,13 +55,14 @@ class Indexer(nn.Module):
         q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
         return q, qk[:, self.ni * self.di :]
 
-    def decode(self, u, batch: DecodeBatch, cos, sin, attn_index: int, rotary, qk=None) -> torch.Tensor:
-        """Selected token ids [B, block_topk*c + c] int32 (-1 = none) of each decode row. Stores the
-        row's raw key in its slot's open block, and the block's compressed key once it completes."""
-        q, raw = self._query(u, cos, sin, True, qk)
-        pos, cache = batch.positions, batch.cache
+    def step(self, q, raw, step: DecodeBatch, attn_index: int, rotary) -> torch.Tensor:
+        """Selected token ids [B, block_topk*c + c] int32 (-1 = none) of one decode step's rows, from their
+        queries q [B, Ni, di] and raw keys [B, di] (`_query`). Stores each row's raw key in its slot's
+        open block (kept for a rewind), and the block's compressed key once it completes."""
+        pos, cache = step.positions, step.cache
         tail_plane = cache.index_tail_plane(attn_index)  # [S, c-1, di]
         pooled, starts = indexer_open_block(raw, tail_plane, cache.slots, pos, self.c, True)
+        cache.keep_state(tail_plane)
         # NOTE: computed for every row (no branch, so the step can be a graph); it is the block's
         # key only where the row completes its block, and a placeholder elsewhere that the completion
         # overwrites.
@@ -153,10 +154,20 @@ class QSAttention(nn.Module):
         return self._output(torch.cat(outs, dim=0), gate, ri)
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, rotary) -> torch.Tensor:
+        return self.window(u, WindowBatch.of(batch), cos, sin, rotary)
+
+    def window(self, u: torch.Tensor, batch: WindowBatch, cos, sin, rotary) -> torch.Tensor:
+        """W decode steps' rows [W*B, H]: projections, norms and rope on all rows; the indexer's open
+        block, the KV writes and the attention step by step, so a row reads the KV and block keys the
+        rows before it wrote, as in serial decode."""
         proj = self._project(u, True)
-        tokens = self.indexer.decode(u, batch, cos, sin, self.attn_index, rotary, qk=proj[3])
+        q_idx, raw = self.indexer._query(u, cos, sin, True, proj[3])
         q, gate, k, v = self._qkv(u, cos, sin, True, proj)
-        batch.cache.write_kv(self.attn_index, k, v)
-        view = batch.cache.kv_view(self.attn_index)
-        o = paged_sparse_attention(q, view.k, view.v, view.block_table, tokens, self.scaling)
-        return self._output(o, gate, True)
+        outs = []
+        for rows, step in batch.rows():
+            tokens = self.indexer.step(q_idx[rows], raw[rows], step, self.attn_index, rotary)
+            step.cache.write_kv(self.attn_index, k[rows], v[rows])
+            view = step.cache.kv_view(self.attn_index)
+            o = paged_sparse_attention(q[rows], view.k, view.v, view.block_table, tokens, self.scaling)
+            outs.append(o)
+        return self._output(cat_rows(outs), gate, True)

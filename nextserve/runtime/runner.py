@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..cache.decode_rows import DecodeRows, fill_block_tables
+from ..cache.decode_rows import WINDOW_FIELDS, DecodeRows, fill_block_tables, fill_window, window_batch
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
 from ..engine.sampling import TokenLogprob, sample_row
@@ -63,16 +63,24 @@ class ModelRunner:
         if mtp is not None:
             self.drafter = MtpDrafter(model, mtp, states, draft_tokens, self.decode_batch)
 
-    def decode_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-        """Host lists of the decode rows: token ids, positions, state slots, block tables."""
-        for ch in chunks:
-            ch.seq.cache.own_page_at(ch.start)
-        return (
-            [ch.seq.token_at(ch.start) for ch in chunks],
-            [ch.start for ch in chunks],
-            [ch.seq.cache.slot for ch in chunks],
-            [ch.seq.cache.block_table for ch in chunks],
-        )
+    def window_inputs(self, chunks: list[Chunk], W: int) -> tuple[np.ndarray, list[list[int]]]:
+        """Host inputs [5, W, B] (see cache.decode_rows.fill_window) and block tables of one step of
+        `chunks`, distinct sequences: a decode step (W = 1) or verify windows, chunk b's row j being its
+        last token (j = 0) or draft j at position start + j. A window of fewer rows pads the rest; its
+        rows but the last keep their state in the slot's keep slots."""
+        B, scratch = len(chunks), self.states.scratch_slot
+        inputs = np.zeros((WINDOW_FIELDS, W, B), dtype=np.int64)
+        inputs[2:4], inputs[4] = scratch, -1  # padding rows: the scratch slot and table row
+        for b, ch in enumerate(chunks):
+            n, cache = 1 + len(ch.drafts), ch.seq.cache
+            for p in range(ch.start, ch.start + n):
+                cache.own_page_at(p)
+            inputs[0, :n, b] = [ch.seq.token_at(ch.start), *ch.drafts]
+            inputs[1, :n, b] = range(ch.start, ch.start + n)
+            inputs[2, :n, b], inputs[4, :n, b] = cache.slot, b
+            for j in range(n - 1):
+                inputs[3, j, b] = self.states.keep_slot(cache.slot, j)
+        return inputs, [ch.seq.cache.block_table for ch in chunks]
 
     def decode_batch(self, ids, positions, slots, tables, width: int | None = None) -> DecodeBatch:
         """An eager DecodeBatch; block tables padded with the scratch page to `width` (default: the
@@ -85,14 +93,31 @@ class ModelRunner:
         rows = DecodeRows(self.pool, self.states, slot_t, pos, table.to(dev))
         return DecodeBatch(torch.tensor(ids, dtype=torch.long, device=dev), pos, rows)
 
+    def run_window(
+        self, inputs: np.ndarray, tables: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """W steps of B rows (window_inputs): streams [W, B, nH], logits [W, B, V], and their argmax [W, B]
+        when the step computed it (a graph replay does, inside the graph; its outputs are overwritten by
+        the next replay)."""
+        _, W, B = inputs.shape
+        if self.graphs is not None and self.graphs.fits(B, W):
+            return self.graphs.replay(inputs, tables)
+        meta = np.empty((WINDOW_FIELDS, W * B), dtype=np.int64)
+        table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
+        fill_window(meta, table, inputs, tables, B, self.states.scratch_slot, self.pool.scratch_page)
+        dev = self.device
+        batch = window_batch(
+            self.pool, self.states, torch.from_numpy(meta).to(dev), torch.from_numpy(table).to(dev), W, B
+        )
+        streams = self.model.window(batch)
+        logits = self.model.logits(streams, row_invariant=True)
+        return streams.view(W, B, -1), logits.view(W, B, -1), None
+
     def decode_logits(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences), and their
         argmax [B] when the step computed it (a graph replay does, inside the graph)."""
-        ids, positions, slots, tables = self.decode_inputs(chunks)
-        if self.graphs is not None and self.graphs.fits(len(chunks)):
-            return self.graphs.replay(ids, positions, slots, tables)
-        batch = self.decode_batch(ids, positions, slots, tables)
-        return self.model.logits(self.model.decode(batch), row_invariant=True), None
+        _, logits, top = self.run_window(*self.window_inputs(chunks, 1))
+        return logits[0], None if top is None else top[0]
 
     def _batch(self, chunks: list[Chunk], row_invariant: bool) -> ForwardBatch:
         ids, pos, spans = [], [], []
@@ -143,7 +168,8 @@ class ModelRunner:
                 sample_chunks.append(ch)
             else:
                 results.append(ChunkResult(ch))
-        results += [self._verify(ch, kept) for ch in plan.verifies]
+        if plan.verifies:
+            results += self._verify(plan.verifies, kept)
         logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (logits, argmax or None) parts
         if rows:
             try:
@@ -196,40 +222,65 @@ class ModelRunner:
         for r, d in zip(owners, drafts, strict=True):
             r.drafts = d
 
-    def _window(self, ch: Chunk, ids: list[int]) -> ForwardBatch:
-        """A verify window's rows: ids at positions ch.start.., one sequence, row-invariant (each row
-        gets the bits a decode step at its position gets)."""
-        n = len(ids)
-        pos = torch.arange(ch.start, ch.start + n, dtype=torch.long, device=self.device)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return ForwardBatch(ids_t, pos, [SeqChunk(ch.seq.cache, ch.start, n)], row_invariant=True)
+    def execute_verifies(self, chunks: list[Chunk]) -> list[ChunkResult]:
+        """Verify windows of `chunks` alone, as a step runs them (tests)."""
+        with pdl_mode(self.pdl), torch.inference_mode():
+            return self._verify(chunks, {})
 
-    def _verify(self, ch: Chunk, kept: dict[int, torch.Tensor]) -> ChunkResult:
-        """One verify window (engine/speculative.py): the sequence's last token and its drafts in one
-        forward, rows sampled in order until a sampled token differs from its draft; the state is
-        rewound to the last committed position when a draft was rejected. The committed rows' streams
-        go to `kept` when the MTP drafts."""
-        seq, cache = ch.seq, ch.seq.cache
-        ids = [seq.token_at(ch.start), *ch.drafts]
+    def _verify(self, chunks: list[Chunk], kept: dict[int, torch.Tensor]) -> list[ChunkResult]:
+        """The step's verify windows (engine/speculative.py) in one forward of W steps: each window's rows
+        sampled in order until a sampled token differs from its draft; a window with a rejected draft is
+        rewound to the state its last committed row kept. The committed rows' streams go to `kept` when
+        the MTP drafts.
+
+        # NOTE: the rewound state is the one a serial decode of the committed rows leaves, bit for bit:
+        # the window's step j is decode step j (WindowBatch), and a keep slot holds the state after it."""
+        W = 1 + max(len(ch.drafts) for ch in chunks)
         try:
-            for p in range(ch.start, ch.end):
-                cache.own_page_at(p)
-            before = self.states.copy_out(cache.slot)
-            streams = self.model(self._window(ch, ids))  # [1 + k, nH]
-            logits = self.model.logits(streams, row_invariant=True)
-            sampled = sample_window(logits, ch)
-            n_kept = len(sampled)  # rows whose input is committed: the last token, the accepted drafts
-            if n_kept < len(ids):
-                self.states.copy_in(cache.slot, before)
-                self.model(self._window(ch, ids[:n_kept]))
+            streams, logits, top = self.run_window(*self.window_inputs(chunks, W))
+            sampled = self._accept(chunks, logits, top)
+        except Exception as exc:  # noqa: BLE001 - those requests only (C2)
+            log.exception("verify windows failed")
+            return [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+        results, kept_slots, slots = [], [], []
+        for b, (ch, rows) in enumerate(zip(chunks, sampled, strict=True)):
+            if isinstance(rows, str):
+                results.append(ChunkResult(ch, error=rows))
+                continue
+            n_kept = len(rows)  # rows whose input is committed: the last token, the accepted drafts
+            if n_kept <= len(ch.drafts):
+                kept_slots.append(self.states.keep_slot(ch.seq.cache.slot, n_kept - 1))
+                slots.append(ch.seq.cache.slot)
             if self.drafter is not None:
-                # NOTE: the re-run's rows equal these bit for bit (row-invariant windows).
-                kept[id(ch)] = streams[:n_kept]
-        except Exception as exc:  # noqa: BLE001 - that request only (C2)
-            log.exception("verify window failed")
-            return ChunkResult(ch, error=_describe(exc))
-        (token, lp), more = sampled[0], sampled[1:]
-        return ChunkResult(ch, token, lp, more=more, computed=ch.start + n_kept)
+                kept[id(ch)] = streams[:n_kept, b].clone()
+            (token, lp), more = rows[0], rows[1:]
+            results.append(ChunkResult(ch, token, lp, more=more, computed=ch.start + n_kept))
+        self.states.rewind(kept_slots, slots)
+        return results
+
+    def _accept(
+        self, chunks: list[Chunk], logits: torch.Tensor, top: torch.Tensor | None
+    ) -> list[list[tuple[int, TokenLogprob | None]] | str]:
+        """Each window's sampled rows (sample_window), or the error that ends its request. Plain greedy
+        windows read the argmax of their rows, the others move their rows to the CPU sampler."""
+        plain = [b for b, ch in enumerate(chunks) if _plain_greedy(ch)]
+        rest = [b for b, ch in enumerate(chunks) if not _plain_greedy(ch)]
+        tops = (top if top is not None else logits.argmax(dim=-1)).tolist() if plain else None  # [W][B]
+        rows = logits[:, rest].float().cpu() if rest else None  # [W, R, V]
+        out: list = [None] * len(chunks)
+        for b in plain:
+            ch, got = chunks[b], []
+            for j in range(len(ch.drafts) + 1):
+                got.append((tops[j][b], None))
+                if j == len(ch.drafts) or got[-1][0] != ch.drafts[j]:
+                    break
+            out[b] = got
+        for i, b in enumerate(rest):
+            try:
+                out[b] = sample_window(rows[: len(chunks[b].drafts) + 1, i], chunks[b])
+            except Exception as exc:  # noqa: BLE001 - that request only
+                out[b] = _describe(exc)
+        return out
 
     def _sample(
         self, chunks: list[Chunk], parts: list[tuple[torch.Tensor, torch.Tensor | None]]

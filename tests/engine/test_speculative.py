@@ -3,7 +3,7 @@ bit, and a speculating engine gives the serial reference's tokens and logprobs w
 right, all wrong, wrong here and there), greedy or seeded, with stops inside a window."""
 
 import pytest
-from spec_cases import OracleProposer, check_window_rows, same, spec_prompts
+from spec_cases import OracleProposer, check_window_batch, check_window_rows, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import ConfigError, EngineConfig
@@ -33,6 +33,13 @@ def test_window_rows_equal_serial_decode(small_model_dir, dtype: str) -> None:
     """A window of 6 rows from position 45 (across a page and several indexer blocks) gives each row
     the logits serial decode gives at its position, bit for bit."""
     check_window_rows(small_model_dir, FLAGS | {"dtype": dtype})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_window_batch_rows_and_rewinds_equal_serial_decode(small_model_dir, dtype: str) -> None:
+    """Three windows in one forward (5, 3 and 2 rows, the short ones padded): their rows up to the first
+    wrong draft equal serial decode's logits, and every slot ends in serial decode's state, rewound or not."""
+    check_window_batch(small_model_dir, FLAGS | {"dtype": dtype})
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

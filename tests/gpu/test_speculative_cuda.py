@@ -7,6 +7,7 @@ import torch
 from spec_cases import (
     PY_PROMPT,
     OracleProposer,
+    check_window_batch,
     check_window_rows,
     mtp_drafts_resumed_as_cold,
     py_prompts,
@@ -30,6 +31,15 @@ FLAGS = dict(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_window_rows_equal_serial_decode(small_model_dir, dtype: str) -> None:
     check_window_rows(small_model_dir, FLAGS | {"dtype": dtype})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_window_batch_rows_and_rewinds_equal_serial_decode(small_model_dir, dtype: str, graph: bool) -> None:
+    """Three windows (5, 3, 2 rows) replayed as one CUDA graph (bucket 4 x 5) or run eagerly: rows up to
+    the first wrong draft equal serial decode's logits (decode graphs), every slot ends in serial decode's
+    state, rewound from its keep slot or not."""
+    check_window_batch(small_model_dir, FLAGS | {"dtype": dtype, "cuda_graph": graph}, graph=graph)
 
 
 @pytest.mark.parametrize(
