@@ -29,7 +29,7 @@ WINDOW_FIELDS = 5
 
 def fill_window(
     meta: np.ndarray,
-    table: np.ndarray,
+    table: np.ndarray | None,
     inputs: np.ndarray,
     tables: list[list[int]],
     G: int,
@@ -38,15 +38,15 @@ def fill_window(
 ) -> None:
     """Lay out W steps of B rows (inputs [5, W, B] int64) for G >= B rows a step: meta [5, >= W*G] gets row
     j*G + b, rows b >= B padding (token 0 at position 0 on the scratch slot, reading table row G, as do
-    the rows whose table row is -1); table [>= G+1, max_pages] gets the B block tables, rows B .. G
-    scratch pages."""
+    the rows whose table row is -1); table [>= G+1, max_pages] gets the B block
+    tables, rows B .. G scratch pages."""
     _, W, B = inputs.shape
-    pads = (0, 0, scratch_slot, scratch_slot, G)
-    for f in range(WINDOW_FIELDS):
-        m = meta[f, : W * G].reshape(W, G)  # a view: the slice is contiguous
-        m[:, :B] = inputs[f] if f < 4 else np.where(inputs[f] < 0, G, inputs[f])
-        m[:, B:] = pads[f]
-    fill_block_tables(table[: G + 1], tables, scratch_page)
+    m = meta[:, : W * G].reshape(WINDOW_FIELDS, W, G)  # a view: splitting the contiguous last axis
+    m[:, :, :B] = inputs
+    m[4, :, :B][inputs[4] < 0] = G
+    m[:, :, B:] = np.array([0, 0, scratch_slot, scratch_slot, G])[:, None, None]
+    if table is not None:  # None: filled already, for another meta over the same rows
+        fill_block_tables(table[: G + 1], tables, scratch_page)
 
 
 class DecodeRows:
@@ -121,10 +121,13 @@ def window_batch(
     table: torch.Tensor,
     W: int,
     B: int,
+    keep: bool = True,
+    gather: bool | None = None,
 ) -> WindowBatch:
     """The WindowBatch of W steps of B rows over device tensors: meta [5, >= W*B] int64 (ids, positions,
     slots, keep slots, table rows; row j*B + b is sequence b's j-th token), table [rows, max_pages] int32.
-    W = 1 is a decode step: its rows read table[:B] directly and keep nothing.
+    W = 1 is a decode step: its rows read table[:B] directly (unless `gather`: rows whose table row may
+    be padding's) and keep nothing; `keep` False: no step keeps its state (MTP rows).
 
     # NOTE: each step's block table is a gather of `table` rows (a window's padding rows read a row of
     # scratch pages, so the table goes to the device once, not once per step); only steps 0 .. W-2 keep
@@ -132,9 +135,9 @@ def window_batch(
     steps = []
     for j in range(W):
         r = slice(j * B, (j + 1) * B)
-        ids, pos, slots, keep, rows = meta[0, r], meta[1, r], meta[2, r], meta[3, r], meta[4, r]
-        step_table = table[:B] if W == 1 else table.index_select(0, rows)
-        kept = keep if j < W - 1 else None
+        ids, pos, slots, keep_slots, rows = meta[0, r], meta[1, r], meta[2, r], meta[3, r], meta[4, r]
+        step_table = table.index_select(0, rows) if (W > 1 if gather is None else gather) else table[:B]
+        kept = keep_slots if keep and j < W - 1 else None
         steps.append(DecodeBatch(ids, pos, DecodeRows(pool, states, slots, pos, step_table, kept)))
     n = W * B
     return WindowBatch(meta[0, :n], meta[1, :n], tuple(steps))

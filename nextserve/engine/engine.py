@@ -121,18 +121,6 @@ class LLMEngine:
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
             kv_lag=int(mtp is not None),  # the MTP row of a sequence's last committed token trails it
         )  # fmt: skip
-        graphs = None
-        if self.device.type == "cuda" and config.cuda_graph and stages == 1:  # stages decode eagerly
-            graphs = GraphRunner(
-                self.model,
-                self.pool,
-                self.slots,
-                self.pool.pages_for(self.max_context),
-                config.max_concurrency,
-                max_drafts=config.speculative_tokens if config.speculative_method != "off" else 0,
-            )
-            with pdl_mode(config.pdl):  # the graphs hold the launches as captured
-                graphs.capture()
         if stages > 1:
             self.runner = PipelineRunner(
                 config, self.model, self.pool, self.slots, ranges, devices, self.max_context
@@ -141,12 +129,27 @@ class LLMEngine:
                 self.runner.mirror.mirror_host(self.prefix)  # every stage moves its share of an image
         else:
             self.runner = ModelRunner(
-                self.model, self.device, self.pool, self.slots, graphs, config.pdl,
+                self.model, self.device, self.pool, self.slots, None, config.pdl,
                 mtp=mtp, draft_tokens=config.speculative_tokens,
             )  # fmt: skip
+            if self.device.type == "cuda" and config.cuda_graph:  # stages decode eagerly
+                self._capture_graphs()
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._next_id = 0
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode steps, verify windows and MTP drafter windows (runtime/graph_runner.py)."""
+        c, runner = self.config, self.runner
+        graphs = GraphRunner(
+            self.model, self.pool, self.slots, self.pool.pages_for(self.max_context), c.max_concurrency,
+            max_drafts=c.speculative_tokens if c.speculative_method != "off" else 0, drafter=runner.drafter,
+        )  # fmt: skip
+        with pdl_mode(c.pdl):  # the graphs hold the launches as captured
+            graphs.capture()
+        runner.graphs = graphs
+        if runner.drafter is not None:
+            runner.drafter.graphs = graphs
 
     def _check_pipeline(self, model: FlashNext | None) -> tuple[list[range], list[torch.device]]:
         """The stages' layer ranges and devices, or a ConfigError for what pipelines do not run (yet)."""

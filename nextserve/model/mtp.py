@@ -10,7 +10,7 @@ from torch import nn
 from ..config import QSA, ConfigError, ModelConfig
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
-from .batch import DecodeBatch, ForwardBatch, SeqChunk
+from .batch import DecodeBatch, ForwardBatch, SeqChunk, WindowBatch
 from .decoder_layer import DecoderLayer
 from .hyper import GatedResidual
 from .params import Weight
@@ -64,6 +64,13 @@ class MTP(nn.Module):
         """One row per sequence (distinct sequences), row-invariant, as FlashNext.decode: streams
         [B, nH], next_embed [B, H] -> multi_hidden [B, nH]."""
         return self.layer.decode(self._fuse_inputs(streams, next_embed, True), batch, rope)
+
+    def window(
+        self, streams: torch.Tensor, next_embed: torch.Tensor, batch: WindowBatch, rope
+    ) -> torch.Tensor:
+        """W decode steps' rows (WindowBatch), as FlashNext.window: streams [W*B, nH], next_embed [W*B, H]
+        -> multi_hidden [W*B, nH]."""
+        return self.layer.window(self._fuse_inputs(streams, next_embed, True), batch, rope)
 
     def sample_hidden(self, multi: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
         return self.hyper_connection_mixer.mix(multi, row_invariant)[0]

@@ -17,6 +17,7 @@ from ..cache.decode_rows import WINDOW_FIELDS, fill_window, window_batch
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
 from ..model.flash_next import FlashNext
+from .mtp_runner import MtpDrafter
 
 log = logging.getLogger("nextserve.graphs")
 
@@ -60,18 +61,30 @@ class GraphRunner:
         max_pages: int,
         max_rows: int,
         max_drafts: int = 0,
+        drafter: MtpDrafter | None = None,
     ) -> None:
-        self.model, self.pool, self.states = model, pool, states
+        """`drafter`: also capture its window graphs (MTP rows of committed window rows and the chains
+        after them, per (rows per sequence, bucket))."""
+        self.model, self.pool, self.states, self.drafter = model, pool, states, drafter
         self.buckets = bucket_sizes(max_rows)
         self.windows = window_sizes(max_drafts)
-        G, rows = self.buckets[-1], self.buckets[-1] * self.windows[-1]
+        G = self.buckets[-1]
+        # NOTE: meta columns: the windows' rows (up to W*G), then the drafter's chain steps (k*G)
+        self.cols = G * self.windows[-1]
+        cols = self.cols + (G * drafter.k if drafter is not None else 0)
         dev = pool.k.device
-        self.inputs, self.meta, self.table = step_input_buffers(rows, G + 1, max_pages, dev, pin=False)
-        self.inputs_host, meta_host, table_host = step_input_buffers(rows, G + 1, max_pages, "cpu", pin=True)
+        self.inputs, self.meta, self.table = step_input_buffers(cols, G + 1, max_pages, dev, pin=False)
+        self.inputs_host, meta_host, table_host = step_input_buffers(cols, G + 1, max_pages, "cpu", pin=True)
         # NOTE: filled through numpy views of the pinned buffers (see fill_block_tables).
         self._meta_np, self._table_np = meta_host.numpy(), table_host.numpy()
         # (W, bucket) -> (graph, streams [W*G, nH], logits [W*G, V], their argmax [W*G])
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]] = {}
+        # (Wm, bucket) -> (graph, drafts [k, G]): the drafter's MTP rows and chains
+        self.mtp_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if drafter is not None:  # the MTP rows' input streams and the chains' first
+            dtype, nH = drafter.states.mtp_hidden.dtype, model.cfg.hc_hidden
+            self.mtp_x = torch.zeros(self.cols, nH, dtype=dtype, device=dev)
+            self.mtp_multi = torch.zeros(G, nH, dtype=dtype, device=dev)
 
     def fits(self, rows: int, W: int = 1) -> bool:
         """Whether a step of `rows` sequences, W rows each, has a graph."""
@@ -86,9 +99,21 @@ class GraphRunner:
         fill_window(
             self._meta_np, self._table_np, inputs, tables, G, self.states.scratch_slot, self.pool.scratch_page
         )
-        # NOTE: one copy: the whole meta (5 x max rows, a few KB), then the bucket's table rows
+        self._upload(G)
+
+    def _upload(self, G: int) -> None:
+        # NOTE: one copy: the whole meta (5 x its columns, a few KB), then the bucket's table rows
         n = self.meta.numel() * 8 + (G + 1) * self.table.shape[1] * 4
         self.inputs[:n].copy_(self.inputs_host[:n], non_blocking=True)
+
+    def _pad_steps(self, inputs: np.ndarray, W: int, G: int) -> np.ndarray:
+        """inputs [5, W_in, B] with padding steps up to W."""
+        _, W_in, B = inputs.shape
+        if W == W_in:
+            return inputs
+        pad = np.zeros((WINDOW_FIELDS, W - W_in, B), dtype=np.int64)
+        pad[2:4], pad[4] = self.states.scratch_slot, G
+        return np.concatenate([inputs, pad], axis=1)
 
     def _shapes(self) -> list[tuple[int, int]]:
         return [(W, G) for W in self.windows for G in self.buckets]
@@ -97,23 +122,40 @@ class GraphRunner:
     def capture(self) -> None:
         """Warm every shape up (Triton compiles here), then capture the largest first so the smaller
         graphs reuse its memory pool. Only the scratch slot and pages are written."""
-        empty = np.zeros((WINDOW_FIELDS, self.windows[-1], 0), dtype=np.int64)
-        self._fill(empty, [], self.windows[-1], self.buckets[-1])
+        G, W = self.buckets[-1], self.windows[-1]
+        empty = np.zeros((WINDOW_FIELDS, W, 0), dtype=np.int64)
+        self._fill(empty, [], W, G)
+        if self.drafter is not None:
+            self._fill_mtp(empty, np.zeros((WINDOW_FIELDS, self.drafter.k, 0), dtype=np.int64), [], G)
+        families = [(self.graphs, self._step)]
+        if self.drafter is not None:
+            families.append((self.mtp_graphs, self._mtp_step))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for W, G in self._shapes():
-                self._step(W, G)
+            for _, step in families:
+                for W, G in self._shapes():
+                    step(W, G)
         torch.cuda.current_stream().wait_stream(side)
         mempool = torch.cuda.graph_pool_handle()
-        for W, G in sorted(self._shapes(), key=lambda s: s[0] * s[1], reverse=True):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                streams, logits = self._step(W, G)
-                top = logits.argmax(dim=-1)
-            self.graphs[(W, G)] = (graph, streams, logits, top)
+        for graphs, step in families:
+            for W, G in sorted(self._shapes(), key=lambda s: s[0] * s[1], reverse=True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    out = step(W, G)
+                graphs[(W, G)] = (graph, *out)
         torch.cuda.synchronize()
-        log.info("captured graphs for windows %s x batch sizes %s", self.windows, self.buckets)
+        log.info(
+            "captured graphs for windows %s x batch sizes %s%s",
+            self.windows, self.buckets, " (and the MTP drafter's)" if self.drafter is not None else "",
+        )  # fmt: skip
+
+    def _step(self, W: int, G: int) -> tuple[torch.Tensor, ...]:
+        """(streams [W*G, nH], logits [W*G, V], argmax [W*G]) of W steps of G rows."""
+        batch = window_batch(self.pool, self.states, self.meta, self.table, W, G)
+        streams = self.model.window(batch)
+        logits = self.model.logits(streams, row_invariant=True)
+        return streams, logits, logits.argmax(dim=-1)
 
     def replay(
         self, inputs: np.ndarray, tables: list[list[int]]
@@ -121,13 +163,9 @@ class GraphRunner:
         """W steps of B rows (inputs [5, W, B], see fill_window): streams [W, B, nH], logits [W, B, V] and
         their argmax [W, B], views of the graph's outputs: copy them before the next replay."""
         _, W_in, B = inputs.shape
-        W = next(w for w in self.windows if w >= W_in)
+        W = next(w for w in self.windows if w >= W_in)  # a shorter window: its last steps are padding
         G = next(b for b in self.buckets if b >= B)
-        if W > W_in:  # a shorter window: its steps past W_in are padding rows
-            pad = np.zeros((WINDOW_FIELDS, W - W_in, B), dtype=np.int64)
-            pad[2:4], pad[4] = self.states.scratch_slot, G
-            inputs = np.concatenate([inputs, pad], axis=1)
-        self._fill(inputs, tables, W, G)
+        self._fill(self._pad_steps(inputs, W, G), tables, W, G)
         graph, streams, logits, top = self.graphs[(W, G)]
         graph.replay()
         return (
@@ -135,3 +173,40 @@ class GraphRunner:
             logits.view(W, G, -1)[:W_in, :B],
             top.view(W, G)[:W_in, :B],
         )
+
+    # ---- the MTP drafter's windows (runtime/mtp_runner.py) ----------------------------------------------
+    def fits_mtp(self, rows: int, Wm: int) -> bool:
+        return bool(self.mtp_graphs) and rows <= self.buckets[-1] and Wm <= self.windows[-1]
+
+    def _mtp_step(self, Wm: int, G: int) -> tuple[torch.Tensor]:
+        d = self.drafter
+        rows = d.window_batch(self.meta, self.table, Wm, G)
+        chain = d.window_batch(self.meta[:, self.cols :], self.table, d.k, G)
+        return (d.window_drafts(rows, self.mtp_x[: Wm * G], chain, self.mtp_multi[:G]),)
+
+    def _fill_mtp(self, rows: np.ndarray, chain: np.ndarray, tables: list[list[int]], G: int) -> None:
+        scratch_slot, scratch_page = self.states.scratch_slot, self.pool.scratch_page
+        fill_window(self._meta_np, self._table_np, rows, tables, G, scratch_slot, scratch_page)
+        fill_window(self._meta_np[:, self.cols :], None, chain, tables, G, scratch_slot, scratch_page)
+        self._upload(G)
+
+    def replay_mtp(
+        self,
+        rows: np.ndarray,
+        chain: np.ndarray,
+        tables: list[list[int]],
+        x_in: torch.Tensor,
+        multi0: torch.Tensor,
+    ) -> torch.Tensor:
+        """The drafter's window_drafts for MTP rows [5, Wm, B] with input streams x_in [Wm, B, nH] and
+        chains [5, k, B] from multi0 [B, nH] (MtpDrafter.window_inputs): drafts [k, B], a view of the
+        graph's output."""
+        _, Wm_in, B = rows.shape
+        Wm = next(w for w in self.windows if w >= Wm_in)
+        G = next(b for b in self.buckets if b >= B)
+        self._fill_mtp(self._pad_steps(rows, Wm, G), chain, tables, G)
+        self.mtp_x[: Wm * G].view(Wm, G, -1)[:Wm_in, :B].copy_(x_in)
+        self.mtp_multi[:B].copy_(multi0)
+        graph, drafts = self.mtp_graphs[(Wm, G)]
+        graph.replay()
+        return drafts[:, :B]

@@ -34,13 +34,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
+from ..cache.decode_rows import WINDOW_FIELDS, fill_window, window_batch
+from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
 from ..config import ModelConfig
-from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
+from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk, WindowBatch
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from ..model.mtp import MTP
@@ -87,25 +91,35 @@ class MtpDrafter:
         states: StateSlots,
         k: int,
         decode_batch: Callable[[list[int], list[int], list[int], list[list[int]]], DecodeBatch],
+        pool: KVPool,
     ) -> None:
         """k: drafts per window at most; `decode_batch(ids, positions, slots, tables)`: an eager
         DecodeBatch (ModelRunner's)."""
         if k <= 0:
             raise ValueError(f"MTP drafting needs k >= 1, got {k}")
         self.model, self.mtp, self.states, self.k, self.decode_batch = model, mtp, states, k, decode_batch
+        self.pool = pool
+        self.graphs = None  # a GraphRunner holding this drafter's window graphs (set once captured)
 
     @torch.inference_mode()
     def run(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
-        """Commits the MTP rows of `items` and returns, per item, its greedy chain of `chain` drafts."""
+        """Commits the MTP rows of `items` and returns, per item, its greedy chain of `chain` drafts:
+        prefill chunks' rows one forward each, verify windows' rows and every chain after them in one
+        window of steps (`window_drafts`, a CUDA graph replay where one is captured)."""
+        drafts: list[tuple[int, ...]] = [()] * len(items)
+        for group, run in ((False, self._prefill_items), (True, self._window_items)):
+            chosen = [i for i, it in enumerate(items) if it.row_invariant == group]
+            if chosen:
+                for i, chain in zip(chosen, run([items[i] for i in chosen]), strict=True):
+                    drafts[i] = chain
+        return drafts
+
+    def _prefill_items(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
         hidden = self.states.mtp_hidden_plane()  # [S, nH]
-        rows = [self._prefill_rows(it, hidden) for it in items]
-        for it, (r_start, streams, ids) in zip(items, rows, strict=True):
-            if not it.row_invariant and ids:  # a prefill chunk's rows: one forward, as the target ran it
-                self._forward([(it.cache, r_start, streams, ids)], False)
-        ri = [(it.cache, *r) for it, r in zip(items, rows, strict=True) if it.row_invariant and r[2]]
-        if ri:  # verify windows' rows: one row-invariant forward, each row's bits as alone
-            self._forward(ri, True)
         for it in items:
+            r_start, streams, ids = self._prefill_rows(it, hidden)
+            if ids:  # a prefill chunk's rows: one forward, as the target ran it
+                self._forward([(it.cache, r_start, streams, ids)], False)
             hidden[it.cache.slot] = it.streams[-1]
         heads = [i for i, it in enumerate(items) if it.chain > 0 and it.sampled is not None]
         drafts: list[tuple[int, ...]] = [()] * len(items)
@@ -113,6 +127,97 @@ class MtpDrafter:
             for i, chain in zip(heads, self._chain([items[i] for i in heads]), strict=True):
                 drafts[i] = chain
         return drafts
+
+    def window_inputs(self, items: list[MtpRows]) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+        """Host inputs (cache.decode_rows.fill_window) of verify windows' MTP rows [5, Wm, B] (row i of
+        item b: position start - 1 + i, fed its committed token i) and of their chains [5, k, B] (step j at
+        end - 1 + j, step 0 fed the sampled token; steps past an item's chain are padding), and the items'
+        block tables."""
+        B, scratch = len(items), self.states.scratch_slot
+        Wm = max(len(it.ids) for it in items)
+        rows = np.zeros((WINDOW_FIELDS, Wm, B), dtype=np.int64)
+        chain = np.zeros((WINDOW_FIELDS, self.k, B), dtype=np.int64)
+        for a in (rows, chain):
+            a[2:4], a[4] = scratch, -1
+        for b, it in enumerate(items):
+            m, slot = len(it.ids), it.cache.slot
+            rows[0, :m, b], rows[1, :m, b] = it.ids, range(it.start - 1, it.start - 1 + m)
+            rows[2, :m, b], rows[4, :m, b] = slot, b
+            n = it.chain if it.sampled is not None else 0
+            for p in range(it.end - 1, it.end - 1 + n):
+                it.cache.own_page_at(p)  # inside what admission reserved: p <= end + chain - 2
+            if n:
+                chain[0, 0, b], chain[1, :n, b] = it.sampled, range(it.end - 1, it.end - 1 + n)
+                chain[2, :n, b], chain[4, :n, b] = slot, b
+        return rows, chain, [it.cache.block_table for it in items]
+
+    def _window_items(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
+        """Verify windows' committed MTP rows and chains in one window of steps (see window_drafts)."""
+        hidden = self.states.mtp_hidden_plane()  # [S, nH]
+        rows, chain, tables = self.window_inputs(items)
+        slots = torch.tensor([it.cache.slot for it in items], dtype=torch.long, device=hidden.device)
+        # the rows' input streams [Wm, B, nH]: row i's target streams at start - 1 + i (the slot's, then
+        # the window's committed rows but the last); the chains start from the last row's streams
+        x = [hidden.index_select(0, slots)[None]]
+        if rows.shape[1] > 1:
+            x.append(pad_sequence([it.streams[:-1] for it in items]))
+        x_in, multi0 = torch.cat(x), torch.stack([it.streams[-1] for it in items])
+        hidden.index_copy_(0, slots, multi0)
+        if self.graphs is not None and self.graphs.fits_mtp(len(items), rows.shape[1]):
+            out = self.graphs.replay_mtp(rows, chain, tables, x_in, multi0)
+        else:
+            out = self._eager_window(rows, chain, tables, x_in, multi0)
+        drafts = out.tolist()  # [k][B]
+        return [
+            tuple(drafts[j][b] for j in range(it.chain if it.sampled is not None else 0))
+            for b, it in enumerate(items)
+        ]
+
+    def _eager_window(self, rows, chain, tables, x_in, multi0) -> torch.Tensor:
+        _, Wm, B = rows.shape
+        meta_rows = np.empty((WINDOW_FIELDS, Wm * B), dtype=np.int64)
+        meta_chain = np.empty((WINDOW_FIELDS, self.k * B), dtype=np.int64)
+        table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
+        scratch_slot, scratch_page = self.states.scratch_slot, self.pool.scratch_page
+        fill_window(meta_rows, table, rows, tables, B, scratch_slot, scratch_page)
+        fill_window(meta_chain, None, chain, tables, B, scratch_slot, scratch_page)
+        dev = multi0.device
+        table_t = torch.from_numpy(table).to(dev)
+        row_batch = self.window_batch(torch.from_numpy(meta_rows).to(dev), table_t, Wm, B)
+        chain_batch = self.window_batch(torch.from_numpy(meta_chain).to(dev), table_t, self.k, B)
+        return self.window_drafts(row_batch, x_in.flatten(0, 1), chain_batch, multi0)
+
+    def window_batch(self, meta: torch.Tensor, table: torch.Tensor, W: int, B: int) -> WindowBatch:
+        """MTP rows or a chain over device inputs: every step's table gathered (padding rows sit in real
+        columns), no state kept (the MTP's rows are committed or undone here)."""
+        return window_batch(self.pool, self.states, meta, table, W, B, keep=False, gather=True)
+
+    def window_drafts(
+        self, rows: WindowBatch, x_in: torch.Tensor, chain: WindowBatch, multi0: torch.Tensor
+    ) -> torch.Tensor:
+        """The MTP rows `rows` (x_in [Wm*B, nH] the target's streams at each row's position) committed,
+        then k greedy chain steps from multi0 [B, nH], step 0 fed chain's step-0 tokens, each later step
+        the draft before: drafts [k, B]. No host reads: one CUDA graph per (Wm, bucket).
+
+        # NOTE: the same rows and steps as the eager MtpDrafter path: each MTP row a decode row at its
+        # position (row-invariant), so the drafts do not depend on the batch or on the graph."""
+        w_embed = self.model.embed_tokens.weight
+        dtype = x_in.dtype
+        embed = F.embedding(rows.input_ids, w_embed)  # [Wm*B, H]
+        self.mtp.window(x_in, embed, rows, self.model.rope(rows.positions, dtype, True))
+        first = chain.steps[0].cache.slots  # each row's slot (scratch where it has no chain)
+        tail = self.states.tail_plane(self.mtp.attn_index)  # [S, c-1, di]
+        saved = tail.index_select(0, first)
+        multi, token, drafts = multi0, chain.steps[0].input_ids, []
+        for step in chain.steps:
+            step = DecodeBatch(token, step.positions, step.cache)
+            rope = self.model.rope(step.positions, dtype, True)
+            multi = self.mtp.decode(multi, F.embedding(token, w_embed), step, rope)
+            token = self._greedy(multi)
+            drafts.append(token)
+        # NOTE: the chain's tail rows belong to positions past the committed ones (see the NOTE above).
+        tail.index_copy_(0, first, saved)
+        return torch.stack(drafts)
 
     def _prefill_rows(self, it: MtpRows, hidden: torch.Tensor) -> tuple[int, torch.Tensor, list[int]]:
         """The committed MTP rows of it: (first position, streams [m, nH], the token after each [m]):

@@ -61,7 +61,7 @@ class ModelRunner:
         self.pdl = pdl
         self.drafter = None
         if mtp is not None:
-            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, self.decode_batch)
+            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, self.decode_batch, pool)
 
     def window_inputs(self, chunks: list[Chunk], W: int) -> tuple[np.ndarray, list[list[int]]]:
         """Host inputs [5, W, B] (see cache.decode_rows.fill_window) and block tables of one step of
@@ -69,6 +69,13 @@ class ModelRunner:
         last token (j = 0) or draft j at position start + j. A window of fewer rows pads the rest; its
         rows but the last keep their state in the slot's keep slots."""
         B, scratch = len(chunks), self.states.scratch_slot
+        if W == 1:  # a decode step: one row each, whole fields at once (the hot path)
+            for ch in chunks:
+                ch.seq.cache.own_page_at(ch.start)
+            ids = [ch.seq.token_at(ch.start) for ch in chunks]
+            slots = [ch.seq.cache.slot for ch in chunks]
+            rows = [ids, [ch.start for ch in chunks], slots, [scratch] * B, range(B)]
+            return np.array(rows, dtype=np.int64)[:, None], [ch.seq.cache.block_table for ch in chunks]
         inputs = np.zeros((WINDOW_FIELDS, W, B), dtype=np.int64)
         inputs[2:4], inputs[4] = scratch, -1  # padding rows: the scratch slot and table row
         for b, ch in enumerate(chunks):
@@ -78,8 +85,9 @@ class ModelRunner:
             inputs[0, :n, b] = [ch.seq.token_at(ch.start), *ch.drafts]
             inputs[1, :n, b] = range(ch.start, ch.start + n)
             inputs[2, :n, b], inputs[4, :n, b] = cache.slot, b
-            for j in range(n - 1):
-                inputs[3, j, b] = self.states.keep_slot(cache.slot, j)
+            if n > 1:
+                first, last = self.states.keep_slot(cache.slot, 0), self.states.keep_slot(cache.slot, n - 2)
+                inputs[3, : n - 1, b] = range(first, last + 1)  # keep_slot(slot, j) for j < n - 1
         return inputs, [ch.seq.cache.block_table for ch in chunks]
 
     def decode_batch(self, ids, positions, slots, tables, width: int | None = None) -> DecodeBatch:

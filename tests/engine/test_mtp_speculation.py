@@ -25,6 +25,14 @@ def pool_full(llm: LLM) -> None:
     assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
 
 
+@pytest.fixture(autouse=True)
+def no_lost_drafts(caplog):
+    """A failed MTP run only loses its drafts (outputs stay right), so the output checks cannot see it."""
+    yield
+    lost = [r for r in caplog.records if r.getMessage() == "MTP drafting failed"]
+    assert not lost, lost[0].exc_text
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("dtype,k", [("float32", 1), ("float32", 4), ("bfloat16", 4)])
 def test_mtp_speculation_gives_the_serial_outputs(params, dtype, k) -> None:

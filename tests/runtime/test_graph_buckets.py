@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from nextserve.cache.decode_rows import fill_window
 from nextserve.cache.kv_pool import KVPool
 from nextserve.cache.states import StateSlots
 from nextserve.runtime.graph_runner import GraphRunner, bucket_sizes, step_input_buffers, window_sizes
@@ -94,3 +95,14 @@ def test_fill_lays_windows_out_step_major(oracle_config) -> None:
     assert g.table.tolist() == [[7, 9], [8, 6], [9, 9], [9, 9]]
     with pytest.raises(IndexError):
         slots.keep_slot(1, 1)
+
+
+def test_fill_maps_padding_table_rows_in_one_step_windows(oracle_config) -> None:
+    """A window of one step (an MTP chain of k = 1, MTP rows of one row each) may hold padding rows in real
+    columns too (-1: an item without a chain): they read table row G, never row -1 (a device-side assert
+    in index_select on the GPU, which a k = 1 MTP run hit)."""
+    meta, table = np.full((5, 4), -7, dtype=np.int64), np.full((4, 2), -7, dtype=np.int32)
+    rows = _inputs(1, ([9], [3], [1], [4], [0]), ([0], [0], [4], [4], [-1]))
+    fill_window(meta, table, rows, [[5], [6]], 3, 4, 9)
+    assert meta.tolist() == [[9, 0, 0, -7], [3, 0, 0, -7], [1, 4, 4, -7], [4, 4, 4, -7], [0, 3, 3, -7]]
+    assert table.tolist() == [[5, 9], [6, 9], [9, 9], [9, 9]]
