@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (every stage runs the driver's)")
+    ap.add_argument(
+        "--eager-too", action="store_true", help="also each stage mode with --no-cuda-graph (GPU)"
+    )
     ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -49,10 +52,12 @@ def main() -> None:
     flags = dict(device=a.device, dtype=a.dtype, max_concurrency=a.requests)
     engines = {"one process": LLM(a.model, **flags)}
     for groups in a.groups:
-        engines[f"{a.stages} stages, {groups} groups"] = LLM(
-            a.model, pipeline_stages=a.stages, decode_groups=groups, pipeline_devices=a.pipeline_devices,
-            stage_transport=a.stage_transport, **flags,
-        )  # fmt: skip
+        for graph in (True, False) if a.eager_too else (True,):
+            name = f"{a.stages} stages, {groups} groups" + ("" if graph else ", eager")
+            engines[name] = LLM(
+                a.model, pipeline_stages=a.stages, decode_groups=groups, pipeline_devices=a.pipeline_devices,
+                stage_transport=a.stage_transport, cuda_graph=graph, **flags,
+            )  # fmt: skip
     want = [o.token_ids for o in engines["one process"].generate(prompts, params)]
     walls: dict[str, list[float]] = {name: [] for name in engines}
     same = {}

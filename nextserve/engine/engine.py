@@ -77,10 +77,11 @@ class LLMEngine:
         if stages > 1:
             ranges, devices = self._check_pipeline(model)
             self.device = devices[0]  # stage 0's, where the driver samples
+        # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
+        steps = config.speculative_tokens if config.speculative_method != "off" else 0
         if stages == 1:
             # NOTE: before the KV pool is sized from the free memory: the keep slots of verify windows
             # (speculative_tokens per slot) can take gigabytes at real widths.
-            steps = config.speculative_tokens if config.speculative_method != "off" else 0
             self.slots = StateSlots(
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
             )
@@ -92,7 +93,7 @@ class LLMEngine:
         if stages > 1:
             self.model, self.pool, self.slots = build_stage(
                 config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size,
-                self.device, self.max_context,
+                self.device, self.max_context, steps,
             )  # fmt: skip
         else:
             self.model = load_model(config, cfg) if model is None else model.eval()
@@ -132,7 +133,7 @@ class LLMEngine:
                 self.model, self.device, self.pool, self.slots, None, config.pdl,
                 mtp=mtp, draft_tokens=config.speculative_tokens,
             )  # fmt: skip
-            if self.device.type == "cuda" and config.cuda_graph:  # stages decode eagerly
+            if self.device.type == "cuda" and config.cuda_graph:  # (stages capture their own)
                 self._capture_graphs()
         self.sequences: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)

@@ -62,10 +62,14 @@ class GraphRunner:
         max_rows: int,
         max_drafts: int = 0,
         drafter: MtpDrafter | None = None,
+        logits: bool = True,
     ) -> None:
         """`drafter`: also capture its window graphs (MTP rows of committed window rows and the chains
-        after them, per (rows per sequence, bucket))."""
+        after them, per (rows per sequence, bucket)). A pipeline stage's model (not the first) reads the
+        previous stage's streams from a static buffer that `replay` fills; `logits` False: the graphs end
+        with the streams (a stage's, whose driver samples)."""
         self.model, self.pool, self.states, self.drafter = model, pool, states, drafter
+        self.logits = logits and model.is_last
         self.buckets = bucket_sizes(max_rows)
         self.windows = window_sizes(max_drafts)
         G = self.buckets[-1]
@@ -81,8 +85,13 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]] = {}
         # (Wm, bucket) -> (graph, drafts [k, G]): the drafter's MTP rows and chains
         self.mtp_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # NOTE: the pinned inputs are refilled only once the last upload of them has run: a pipeline
+        # stage's host does not wait for its GPU between steps (one process does, for the tokens).
+        self._uploaded = torch.cuda.Event()
+        nH = model.cfg.hc_hidden
+        self.x_in = None if model.is_first else torch.zeros(self.cols, nH, dtype=pool.k.dtype, device=dev)
         if drafter is not None:  # the MTP rows' input streams and the chains' first
-            dtype, nH = drafter.states.mtp_hidden.dtype, model.cfg.hc_hidden
+            dtype = drafter.states.mtp_hidden.dtype
             self.mtp_x = torch.zeros(self.cols, nH, dtype=dtype, device=dev)
             self.mtp_multi = torch.zeros(G, nH, dtype=dtype, device=dev)
 
@@ -96,6 +105,7 @@ class GraphRunner:
         return streams, self.model.logits(streams, row_invariant=True)
 
     def _fill(self, inputs: np.ndarray, tables: list[list[int]], W: int, G: int) -> None:
+        self._uploaded.synchronize()
         fill_window(
             self._meta_np, self._table_np, inputs, tables, G, self.states.scratch_slot, self.pool.scratch_page
         )
@@ -105,6 +115,7 @@ class GraphRunner:
         # NOTE: one copy: the whole meta (5 x its columns, a few KB), then the bucket's table rows
         n = self.meta.numel() * 8 + (G + 1) * self.table.shape[1] * 4
         self.inputs[:n].copy_(self.inputs_host[:n], non_blocking=True)
+        self._uploaded.record()
 
     def _pad_steps(self, inputs: np.ndarray, W: int, G: int) -> np.ndarray:
         """inputs [5, W_in, B] with padding steps up to W."""
@@ -151,28 +162,34 @@ class GraphRunner:
         )  # fmt: skip
 
     def _step(self, W: int, G: int) -> tuple[torch.Tensor, ...]:
-        """(streams [W*G, nH], logits [W*G, V], argmax [W*G]) of W steps of G rows."""
+        """(streams [W*G, nH], logits [W*G, V], argmax [W*G]) of W steps of G rows (streams only without
+        logits)."""
         batch = window_batch(self.pool, self.states, self.meta, self.table, W, G)
-        streams = self.model.window(batch)
+        streams = self.model.window(batch, None if self.x_in is None else self.x_in[: W * G])
+        if not self.logits:
+            return (streams,)
         logits = self.model.logits(streams, row_invariant=True)
         return streams, logits, logits.argmax(dim=-1)
 
     def replay(
-        self, inputs: np.ndarray, tables: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """W steps of B rows (inputs [5, W, B], see fill_window): streams [W, B, nH], logits [W, B, V] and
-        their argmax [W, B], views of the graph's outputs: copy them before the next replay."""
+        self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """W steps of B rows (inputs [5, W, B], see fill_window; x [W*B, nH]: the previous stage's streams,
+        for a stage that is not the first): streams [W, B, nH], logits [W, B, V] and their argmax [W, B]
+        (None without logits), views of the graph's outputs: copy them before the next replay."""
         _, W_in, B = inputs.shape
         W = next(w for w in self.windows if w >= W_in)  # a shorter window: its last steps are padding
         G = next(b for b in self.buckets if b >= B)
         self._fill(self._pad_steps(inputs, W, G), tables, W, G)
-        graph, streams, logits, top = self.graphs[(W, G)]
+        if self.x_in is not None:
+            self.x_in[: W * G].view(W, G, -1)[:W_in, :B].copy_(x.view(W_in, B, -1))
+        graph, streams, *out = self.graphs[(W, G)]
         graph.replay()
-        return (
-            streams.view(W, G, -1)[:W_in, :B],
-            logits.view(W, G, -1)[:W_in, :B],
-            top.view(W, G)[:W_in, :B],
-        )
+        streams = streams.view(W, G, -1)[:W_in, :B]
+        if not out:
+            return streams, None, None
+        logits, top = out
+        return streams, logits.view(W, G, -1)[:W_in, :B], top.view(W, G)[:W_in, :B]
 
     # ---- the MTP drafter's windows (runtime/mtp_runner.py) ----------------------------------------------
     def fits_mtp(self, rows: int, Wm: int) -> bool:
@@ -185,6 +202,7 @@ class GraphRunner:
         return (d.window_drafts(rows, self.mtp_x[: Wm * G], chain, self.mtp_multi[:G]),)
 
     def _fill_mtp(self, rows: np.ndarray, chain: np.ndarray, tables: list[list[int]], G: int) -> None:
+        self._uploaded.synchronize()
         scratch_slot, scratch_page = self.states.scratch_slot, self.pool.scratch_page
         fill_window(self._meta_np, self._table_np, rows, tables, G, scratch_slot, scratch_page)
         fill_window(self._meta_np[:, self.cols :], None, chain, tables, G, scratch_slot, scratch_page)

@@ -1,7 +1,7 @@
 """Pipeline stages: the model's layers split into contiguous ranges, one process per stage, each on its
 own device (the CPU, or a GPU per stage), activations passed stage to stage (DESIGN.md "Pipeline"). One
-microbatch in flight: every stage runs each step's prefill chunks and decode batch in turn, decode
-eagerly (no CUDA graphs in stages yet).
+microbatch in flight: every stage runs each step's prefill chunks and decode batch in turn; on GPUs a
+stage's decode steps replay CUDA graphs of its layers (verify windows and prefill chunks run eagerly).
 
 # NOTE: the engine process is stage 0 and the driver: its scheduler allocates state slots and KV pages
 # for every stage, since each stage holds its own layers' planes of the same sizes, indexed alike. A
@@ -21,7 +21,7 @@ import pickle
 import subprocess
 import sys
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,11 +33,11 @@ from ..engine.scheduler import Chunk, StepPlan
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
 from .decode_rounds import DecodeRounds, DecodeRow
-from .runner import ChunkResult, _describe, sample_window
+from .runner import ChunkResult, _describe
 from .stage_channel import StageChannel, free_port
 from .stage_mirror import StageMirror
 from .stage_transport import make_transport
-from .stage_worker import DecodeWork, PrefillWork, RewindWork, StageStep, StageWorker, WindowWork, on_device
+from .stage_worker import DecodeWork, PrefillWork, StageStep, StageWorker, WindowsWork, on_device
 
 log = logging.getLogger("nextserve.pipeline")
 FAILED = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
@@ -73,13 +73,16 @@ class StageSetup:
     transport: str  # "nccl" or "host" (stage_transport.py)
     pdl: bool
     max_context: int  # the engine's: the positions a stage's rotary table covers
+    cuda_graph: bool  # decode steps and verify windows replay CUDA graphs (on a CUDA device)
+    window_steps: int  # keep slots per state slot: the speculative tokens per window (0: no speculation)
 
 
 def build_stage(
     model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
-    page_size: int, device: torch.device | str = "cpu", max_context: int | None = None,
+    page_size: int, device: torch.device | str = "cpu", max_context: int | None = None, window_steps: int = 0,
 ) -> tuple[FlashNext, KVPool, StateSlots]:  # fmt: skip
-    """One stage's layers (with their weights only), state slots and KV pool."""
+    """One stage's layers (with their weights only), state slots (with `window_steps` keep slots each: the
+    speculative tokens per verify window) and KV pool."""
     last = layers.stop == cfg.num_hidden_layers
     weights = load_weights(
         Path(model_dir), cfg, layers, with_embed=layers.start == 0, with_head=last, dtype=dtype, device=device
@@ -89,7 +92,7 @@ def build_stage(
     model.load_state_dict(weights, strict=True)
     model.eval().prepare(max_context)
     kinds = KindRange.of(cfg, layers)
-    slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds)
+    slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds, window_steps=window_steps)
     pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
     return model, pool, slots
 
@@ -110,7 +113,8 @@ class PipelineRunner(StageWorker):
         for rank in range(1, len(stages)):
             setup = StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
                                pool.page_size, rank, len(stages), port, torch.get_num_threads(),
-                               str(devices[rank]), kind, config.pdl, max_context)  # fmt: skip
+                               str(devices[rank]), kind, config.pdl, max_context,
+                               config.cuda_graph, slots.window_steps)  # fmt: skip
             # NOTE: a session of its own: a terminal's Ctrl-C or a supervisor's signal to the process
             # group reaches the driver only, which then stops the stages in order (`close`).
             proc = subprocess.Popen(
@@ -129,9 +133,11 @@ class PipelineRunner(StageWorker):
                 proc.kill()
             raise
         super().__init__(model, pool, slots, channel, transport, devices[0], config.pdl)
+        if config.cuda_graph and devices[0].type == "cuda":
+            with on_device(devices[0]):
+                self.capture_graphs(pool.pages_for(max_context), slots.num_slots, slots.window_steps)
         self.mirror = StageMirror(pool, slots)
         self.decode_groups = config.decode_groups
-        self.kept: list[int] = []  # slots of windows resolved without a rewind, not yet told the stages
         self.channel.broadcast(None)  # every stage is built
         self.dtype = dtype
 
@@ -140,34 +146,28 @@ class PipelineRunner(StageWorker):
             return self._drive(plan)
 
     def _launch(self, step: StageStep) -> None:
-        """Send a step to every stage and run stage 0's share of it (its items then travel on). It carries
-        the windows resolved since the last launch that need no rewind (their saved states dropped)."""
-        if self.kept:
-            step = replace(step, kept=tuple(self.kept))
-            self.kept = []
+        """Send a step to every stage and run stage 0's share of it (its items then travel on)."""
         self.channel.send_step(step)
         self.run(step, self.dtype)
 
     def _drive(self, plan: StepPlan) -> list[ChunkResult]:
-        """Launch the step's items, then take back what the last stage returns, in launch order: verify
-        windows (a rejected draft launches a rewind), prefill chunks, and decode groups (each group's
-        next round launched as soon as its tokens are sampled)."""
+        """Launch the step's items, then take back what the last stage returns, in launch order: the verify
+        windows (one item; a rejected draft's rewind goes to the stages with the next step's ops), prefill
+        chunks, and decode groups (each group's next round launched as soon as its tokens are sampled)."""
         prefills = [
             PrefillWork(ch.seq.cache.slot, list(ch.seq.cache.block_table), ch.start,
                         ch.seq.tokens(ch.start, ch.end), ch.sample)
             for ch in plan.prefills
         ]  # fmt: skip
-        windows = []
-        for ch in plan.verifies:
-            for p in range(ch.start, ch.end):
-                ch.seq.cache.own_page_at(p)  # copy-on-write before the step's ops are taken
-            ids = [ch.seq.token_at(ch.start), *ch.drafts]
-            windows.append(WindowWork(ch.seq.cache.slot, list(ch.seq.cache.block_table), ch.start, ids))
+        windows, W = None, 1 + max((len(ch.drafts) for ch in plan.verifies), default=0)
+        if plan.verifies:  # pages owned (copy-on-write) before the step's ops are taken
+            inputs, tables = self.window_inputs(plan.verifies, W)
+            windows = WindowsWork(inputs, [list(t) for t in tables])
         rounds = DecodeRounds(plan.decodes, self.decode_groups, self.model.cfg.eos_token_id)
         decodes = [self._decode_work(rows) for rows in rounds.groups]
-        self._launch(StageStep(self.mirror.take(), prefills, tuple(decodes), tuple(windows)))
+        self._launch(StageStep(self.mirror.take(), prefills, tuple(decodes), windows))
         # NOTE: every stage runs items in launch order and the last stage returns them in that order
-        queue = deque(("window", (ch, w), len(w.ids)) for ch, w in zip(plan.verifies, windows, strict=True))
+        queue = deque([("windows", plan.verifies, W * len(plan.verifies))] if plan.verifies else [])
         queue += [("prefill", ch, int(ch.sample)) for ch in plan.prefills]
         queue += [("decode", rows, len(rows)) for rows in rounds.groups]
         results, rows, chunks = [], [], []
@@ -175,17 +175,11 @@ class PipelineRunner(StageWorker):
             while queue:
                 kind, item, n_rows = queue.popleft()
                 ok, logits = self._receive(n_rows)
-                if kind == "window":
-                    ch, w = item
-                    result, rewind = self._verify_window(ch, w, logits) if ok else (self._failed(ch), None)
-                    if rewind is None:
-                        self.kept.append(w.slot)
-                        results.append(result)
-                    else:
-                        self._launch(StageStep(self.mirror.take(), [], (), (), (rewind,)))
-                        queue.append(("rewind", result, 0))
-                elif kind == "rewind":
-                    results.append(item if ok else self._failed(item.chunk))
+                if kind == "windows":
+                    if not ok:
+                        results += [self._failed(ch) for ch in item]
+                    else:  # rewinds: this stage's now, the others' as an op of the next step (StageMirror)
+                        results += self.resolve_windows(item, logits.view(W, len(item), -1), None)
                 elif kind == "prefill":
                     if not ok:
                         results.append(self._failed(item))
@@ -229,20 +223,6 @@ class PipelineRunner(StageWorker):
         ok = bool(self.channel.recv((1,), torch.int8, last)[0])
         V = self.model.cfg.vocab_size
         return ok, self.transport.recv((n_rows, V), self.dtype, last) if n_rows else None
-
-    def _verify_window(self, ch: Chunk, w: WindowWork, logits: torch.Tensor):
-        """(result, rewind or None): the window's rows sampled in order until one differs from its draft
-        (ModelRunner._verify's rule); a rejected draft needs every stage rewound (`RewindWork`)."""
-        try:
-            sampled = sample_window(logits, ch)
-        except Exception as exc:  # noqa: BLE001 - that request only (C2)
-            log.exception("sampling a verify window failed")
-            return ChunkResult(ch, error=_describe(exc)), None
-        kept = len(sampled)
-        (token, lp), more = sampled[0], sampled[1:]
-        result = ChunkResult(ch, token, lp, more=more, computed=ch.start + kept)
-        rewind = RewindWork(w.slot, w.table, w.start, w.ids[:kept]) if kept < len(w.ids) else None
-        return result, rewind
 
     def close(self) -> None:
         """Stop the stage processes (idempotent)."""

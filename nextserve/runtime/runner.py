@@ -110,6 +110,16 @@ class ModelRunner:
         _, W, B = inputs.shape
         if self.graphs is not None and self.graphs.fits(B, W):
             return self.graphs.replay(inputs, tables)
+        streams = self.window_streams(inputs, tables)
+        logits = self.model.logits(streams, row_invariant=True)
+        return streams.view(W, B, -1), logits.view(W, B, -1), None
+
+    def window_streams(
+        self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """W steps of B rows (window_inputs) run eagerly: streams [W*B, nH] after the model's layers (x
+        [W*B, nH]: the previous pipeline stage's)."""
+        _, W, B = inputs.shape
         meta = np.empty((WINDOW_FIELDS, W * B), dtype=np.int64)
         table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
         fill_window(meta, table, inputs, tables, B, self.states.scratch_slot, self.pool.scratch_page)
@@ -117,9 +127,7 @@ class ModelRunner:
         batch = window_batch(
             self.pool, self.states, torch.from_numpy(meta).to(dev), torch.from_numpy(table).to(dev), W, B
         )
-        streams = self.model.window(batch)
-        logits = self.model.logits(streams, row_invariant=True)
-        return streams.view(W, B, -1), logits.view(W, B, -1), None
+        return self.model.window(batch, x)
 
     def decode_logits(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences), and their
@@ -246,9 +254,27 @@ class ModelRunner:
         W = 1 + max(len(ch.drafts) for ch in chunks)
         try:
             streams, logits, top = self.run_window(*self.window_inputs(chunks, W))
-            sampled = self._accept(chunks, logits, top)
         except Exception as exc:  # noqa: BLE001 - those requests only (C2)
             log.exception("verify windows failed")
+            return [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+        return self.resolve_windows(chunks, logits, top, streams, kept)
+
+    def resolve_windows(
+        self,
+        chunks: list[Chunk],
+        logits: torch.Tensor,
+        top: torch.Tensor | None,
+        streams: torch.Tensor | None = None,
+        kept: dict[int, torch.Tensor] | None = None,
+    ) -> list[ChunkResult]:
+        """The results of verify windows from their rows' logits [W, B, V] (and argmax [W, B] when
+        computed): each window sampled (`_accept`), the slots of windows with a rejected draft rewound to
+        the keep slot of their last committed row, the committed rows' streams [W, B, nH] to `kept` when
+        the MTP drafts."""
+        try:
+            sampled = self._accept(chunks, logits, top)
+        except Exception as exc:  # noqa: BLE001 - those requests only (C2)
+            log.exception("sampling verify windows failed")
             return [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
         results, kept_slots, slots = [], [], []
         for b, (ch, rows) in enumerate(zip(chunks, sampled, strict=True)):
@@ -263,7 +289,7 @@ class ModelRunner:
                 kept[id(ch)] = streams[:n_kept, b].clone()
             (token, lp), more = rows[0], rows[1:]
             results.append(ChunkResult(ch, token, lp, more=more, computed=ch.start + n_kept))
-        self.states.rewind(kept_slots, slots)
+        self.states.rewind(kept_slots, slots)  # with pipeline stages: mirrored to every stage
         return results
 
     def _accept(

@@ -37,10 +37,12 @@ def stage_main(setup: StageSetup) -> None:
     channel = StageChannel(setup.rank, setup.world, setup.port)
     model, pool, slots = build_stage(
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
-        setup.page_size, device, setup.max_context,
+        setup.page_size, device, setup.max_context, setup.window_steps,
     )  # fmt: skip
     transport = make_transport(setup.transport, channel, device)
     worker = StageWorker(model, pool, slots, channel, transport, device, setup.pdl)
+    if setup.cuda_graph and device.type == "cuda":
+        worker.capture_graphs(pool.pages_for(setup.max_context), setup.num_slots, setup.window_steps)
     channel.broadcast(None)  # ready
     while (step := channel.recv_step()) is not None:
         worker.run(step, setup.dtype)

@@ -22,15 +22,15 @@ class _StateCopy(dict):
 
 class StageMirror:
     """Records what the driver does to its own planes outside a forward, which every other stage repeats
-    on its planes before the next step's batches: page copies (copy-on-write), prefix images' slot
-    states, taken (`save`), restored (`load`) and dropped once the driver's copy is gone (`drop`), and
-    with a host image store (`mirror_host`) images moved to host memory (`spill`), brought back into
-    fresh pages (`unspill`) and dropped there (`host_drop`)."""
+    on its planes before the next step's batches: page copies (copy-on-write), verify windows' rewinds
+    from keep slots (`rewind`), prefix images' slot states, taken (`save`), restored (`load`) and dropped
+    once the driver's copy is gone (`drop`), and with a host image store (`mirror_host`) images moved to
+    host memory (`spill`), brought back into fresh pages (`unspill`) and dropped there (`host_drop`)."""
 
     def __init__(self, pool: KVPool, slots: StateSlots) -> None:
         self.ops: list[tuple] = []
         self._keys = 0
-        copy_page, copy_out, copy_in = pool.copy_page, slots.copy_out, slots.copy_in
+        copy_page, copy_out, copy_in, rewind = pool.copy_page, slots.copy_out, slots.copy_in, slots.rewind
 
         def mirrored_copy_page(src: int, dst: int) -> None:
             copy_page(src, dst)
@@ -47,10 +47,16 @@ class StageMirror:
             copy_in(slot, tensors)
             self.ops.append(("load", tensors.key, slot))
 
-        pool.copy_page, slots.copy_out, slots.copy_in = (
+        def mirrored_rewind(kept: list[int], slot_ids: list[int]) -> None:
+            rewind(kept, slot_ids)
+            if slot_ids:
+                self.ops.append(("rewind", list(kept), list(slot_ids)))
+
+        pool.copy_page, slots.copy_out, slots.copy_in, slots.rewind = (
             mirrored_copy_page,
             mirrored_copy_out,
             mirrored_copy_in,
+            mirrored_rewind,
         )
 
     def mirror_host(self, prefix: PrefixCache) -> None:

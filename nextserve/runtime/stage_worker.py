@@ -8,6 +8,7 @@ import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..cache.host_store import copy_state, pages_from_host, pages_to_host
@@ -17,6 +18,7 @@ from ..cache.states import StateSlots
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..ops.triton.common import pdl_mode
+from .graph_runner import GraphRunner
 from .runner import ModelRunner
 from .stage_channel import StageChannel
 from .stage_transport import HostTransport, NcclTransport
@@ -42,25 +44,13 @@ class DecodeWork:
 
 
 @dataclass(frozen=True)
-class WindowWork:
-    """A verify window (engine/speculative.py): one sequence's last token and drafts, row-invariant, every
-    row's logits to stage 0; each stage keeps its slot state from before it (`WINDOW_KEY`)."""
+class WindowsWork:
+    """A step's verify windows (engine/speculative.py) as one window of W steps (ModelRunner.window_inputs:
+    inputs [5, W, B], the B block tables), every row's logits to stage 0. A window with a rejected draft
+    is rewound by a `rewind` op of the next step (StageMirror), from the keep slots its steps wrote."""
 
-    slot: int
-    table: list[int]
-    start: int
-    ids: list[int]
-
-
-@dataclass(frozen=True)
-class RewindWork:
-    """After a rejected draft: the slot state from before the window restored, its committed rows
-    (`ids`, from `start`) run again; no logits."""
-
-    slot: int
-    table: list[int]
-    start: int
-    ids: list[int]
+    inputs: np.ndarray
+    tables: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -68,14 +58,7 @@ class StageStep:
     ops: list[tuple]  # the driver's cache operations since the last step (StageMirror), in order
     prefills: list[PrefillWork]
     decodes: tuple[DecodeWork, ...] = ()  # decode groups (one, without --decode-groups), each an item
-    windows: tuple[WindowWork, ...] = ()
-    rewinds: tuple[RewindWork, ...] = ()
-    kept: tuple[int, ...] = ()  # slots whose window needs no rewind: their saved state is dropped
-
-
-def window_key(slot: int) -> tuple[str, int]:
-    """The key of a slot's state saved before its verify window (in `StageWorker.saved`)."""
-    return ("window", slot)
+    windows: WindowsWork | None = None
 
 
 class StageWorker(ModelRunner):
@@ -115,6 +98,8 @@ class StageWorker(ModelRunner):
                 state, planes = self.host_saved[host_id]
                 pages_from_host(self.pool, pages, *planes)
                 self.saved[key] = copy_state(state, self.device)
+            elif op == "rewind":
+                self.states.rewind(*args)
             else:  # host_drop
                 self.host_saved.pop(args[0], None)
 
@@ -170,54 +155,63 @@ class StageWorker(ModelRunner):
         self.channel.flush()
         self.transport.flush()
 
-    def _chunk(self, slot: int, table: list[int], start: int, ids: list[int], ri: bool) -> ForwardBatch:
+    def _chunk(self, slot: int, table: list[int], start: int, ids: list[int]) -> ForwardBatch:
         cache = SequenceCache(self.pool, self.states, slot=slot, block_table=table)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
-        return ForwardBatch(ids_t, pos, [SeqChunk(cache, start, len(ids))], ri)
+        return ForwardBatch(ids_t, pos, [SeqChunk(cache, start, len(ids))], row_invariant=False)
 
     def _run(self, step: StageStep, dtype: torch.dtype) -> None:
         dev = self.device
         if self.channel.rank:
             self._apply(step.ops)
-        # NOTE: a rewind restores the state its window saved in the step before (each stage its own
-        # share) and runs the window's committed rows again, as ModelRunner._verify does on one device.
-        # The class's copy_out/copy_in, not the instance's: on the driver those are StageMirror's, which
-        # would have every stage repeat them in the next step (after its own rewind).
-        for slot in step.kept:
-            self.saved.pop(window_key(slot), None)
-        for w in step.rewinds:
-            StateSlots.copy_in(self.states, w.slot, self.saved.pop(window_key(w.slot)))
-            batch = self._chunk(w.slot, w.table, w.start, w.ids, True)
-            self._item(lambda x, b=batch: self.model(b, x), len(w.ids), None, dtype)
-        for w in step.windows:
-            self.saved[window_key(w.slot)] = StateSlots.copy_out(self.states, w.slot)
-            n = len(w.ids)
-            batch = self._chunk(w.slot, w.table, w.start, w.ids, True)
-            self._item(lambda x, b=batch: self.model(b, x), n, torch.arange(n, device=dev), dtype)
+        if step.windows is not None:
+            _, W, B = step.windows.inputs.shape
+            rows = torch.arange(W * B, device=dev)
+            self._item(lambda x, w=step.windows: self._windows(w, x), W * B, rows, dtype)
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
             n = len(w.ids)
-            batch = self._chunk(w.slot, w.table, w.start, w.ids, False)
+            batch = self._chunk(w.slot, w.table, w.start, w.ids)
             sample_rows = torch.tensor([n - 1], device=dev) if w.sample else None
             self._item(lambda x, b=batch: self.model(b, x), n, sample_rows, dtype)
         for d in step.decodes:
-            n = len(d.ids)
+            self._item(
+                lambda x, d=d: self._decode(d, x), len(d.ids), torch.arange(len(d.ids), device=dev), dtype
+            )
 
-            # NOTE: eager on GPUs too, for now; a replay would give the same bits (every decode op is
-            # row-invariant, tests/gpu/test_cuda_graphs.py). Graphs of a stage's layer range (a
-            # GraphRunner whose step reads the previous stage's streams from a static buffer) must
-            # mind two things a single device does not: (1) the output is a static buffer that the
-            # next replay overwrites while an NCCL send of it may still be queued (flush, which makes
-            # the stream wait for the sends, has to come before the next replay: it does today);
-            # (2) GraphRunner fills pinned host buffers copied asynchronously, and a stage's host
-            # never waits for its GPU, so it could refill them before the last copy ran (wait on an
-            # event recorded after each copy before refilling).
-            def decode(x: torch.Tensor | None, d: DecodeWork = d) -> torch.Tensor:
-                return self.model.decode(self.decode_batch(d.ids, d.positions, d.slots, d.tables), x)
+    def capture_graphs(self, max_pages: int, max_rows: int, max_drafts: int = 0) -> None:
+        """This stage's decode steps and verify windows (up to max_drafts drafts) as CUDA graphs per
+        batch-size bucket, streams out (the last stage's logits, of the rows that sample, are computed
+        after the replay as for an eager step)."""
+        self.graphs = GraphRunner(
+            self.model, self.pool, self.states, max_pages, max_rows, max_drafts, logits=False
+        )
+        with pdl_mode(self.pdl):  # the graphs hold the launches as captured
+            self.graphs.capture()
 
-            self._item(decode, n, torch.arange(n, device=dev), dtype)
+    def _decode(self, d: DecodeWork, x: torch.Tensor | None) -> torch.Tensor:
+        """A decode item's streams after this stage's layers [n, nH] (x: the previous stage's)."""
+        n = len(d.ids)
+        if self.graphs is None or not self.graphs.fits(n):
+            return self.model.decode(self.decode_batch(d.ids, d.positions, d.slots, d.tables), x)
+        rows = [d.ids, d.positions, d.slots, [self.states.scratch_slot] * n, range(n)]
+        return self._replay(np.array(rows, dtype=np.int64)[:, None], d.tables, x)
+
+    def _windows(self, w: WindowsWork, x: torch.Tensor | None) -> torch.Tensor:
+        """The verify windows' streams after this stage's layers [W*B, nH] (x: the previous stage's)."""
+        _, W, B = w.inputs.shape
+        if self.graphs is None or not self.graphs.fits(B, W):
+            return self.window_streams(w.inputs, w.tables, x)
+        return self._replay(w.inputs, w.tables, x)
+
+    def _replay(self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None) -> torch.Tensor:
+        streams, _, _ = self.graphs.replay(inputs, tables, x)
+        # NOTE: a copy: the next replay (the next decode group, the next step) rewrites the graph's output
+        # while an NCCL send of it may still be queued (GraphRunner also waits for its last upload before
+        # refilling its pinned inputs: a stage's host does not wait for its GPU).
+        return streams.flatten(0, 1).clone()
 
 
 def on_device(device: torch.device):

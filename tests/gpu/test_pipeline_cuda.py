@@ -50,16 +50,24 @@ def _pool_full(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_two_stages_on_one_gpu_through_host_memory(small_model_dir, dtype: str) -> None:
+@pytest.mark.parametrize("graph", [True, False], ids=["graphs", "eager"])
+def test_two_stages_on_one_gpu_through_host_memory(small_model_dir, dtype: str, graph: bool) -> None:
     """Both stages on cuda:0 (two processes), activations through pinned host memory: the stage code on
-    a GPU (placement, copies, the host transport) gives the single-GPU outputs; runs on one GPU."""
+    a GPU (placement, copies, the host transport, each stage's decode graphs or eager decode) gives the
+    single-GPU outputs; runs on one GPU."""
     want = _single_gpu(str(small_model_dir), dtype)
-    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport="host")
+    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport="host", cuda_graph=graph)
     split = LLM(str(small_model_dir), dtype=dtype, **flags, **FLAGS)
+    graphs, replays = split.engine.runner.graphs, []
+    assert (graphs is not None) == graph
+    if graph:
+        replay = graphs.replay
+        graphs.replay = lambda *a: replays.append(1) or replay(*a)
     try:
         for params, expected in zip(PARAMS, want, strict=True):
             _same(expected, split.generate(_prompts(), params))
         _pool_full(split)
+        assert bool(replays) == graph  # stage 0's decode items replayed its graphs
     finally:
         split.close()
 

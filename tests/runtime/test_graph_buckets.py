@@ -3,6 +3,8 @@ test: tests/gpu/test_cuda_graphs.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -55,6 +57,7 @@ def test_fill_pads_with_the_scratch_slot_and_page(oracle_config) -> None:
     pool = KVPool(oracle_config, 2, 9, 16, torch.float32)
     g = GraphRunner.__new__(GraphRunner)  # no CUDA here: set the buffers up by hand
     g.pool, g.states = pool, slots
+    g._uploaded = SimpleNamespace(synchronize=lambda: None, record=lambda: None)  # a CUDA event
     g.inputs, g.meta, g.table = step_input_buffers(4, 5, 3, "cpu", pin=False)
     g.inputs.fill_(255)  # -1 in every field: what the fill does not write shows
     g.inputs_host, meta_host, table_host = step_input_buffers(4, 5, 3, "cpu", pin=False)
@@ -77,6 +80,7 @@ def test_fill_lays_windows_out_step_major(oracle_config) -> None:
     pool = KVPool(oracle_config, 2, 9, 16, torch.float32)
     g = GraphRunner.__new__(GraphRunner)
     g.pool, g.states = pool, slots
+    g._uploaded = SimpleNamespace(synchronize=lambda: None, record=lambda: None)  # a CUDA event
     g.inputs, g.meta, g.table = step_input_buffers(6, 4, 2, "cpu", pin=False)
     g.inputs_host, meta_host, table_host = step_input_buffers(6, 4, 2, "cpu", pin=False)
     g._meta_np, g._table_np = meta_host.numpy(), table_host.numpy()
