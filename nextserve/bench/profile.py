@@ -72,14 +72,15 @@ def profile_decode_step(engine, prompt: list[int], meter: EnergyMeter, top: int 
         return run
 
     # NOTE: the decode step runs eagerly here (a graph replay has no module boundaries to time), and
-    # its modules' `decode` methods are timed as their `forward` hooks time prefill.
+    # its modules' `window` methods (a decode step is a window of one row each) are timed as their
+    # `forward` hooks time prefill.
     handles, patched, graphs = [], [], engine.runner.graphs
     engine.runner.graphs = None
     for m in engine.model.modules():
         if _module_kind(m) is not None:
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-            if hasattr(m, "decode"):
-                m.decode = timed(m, m.decode)
+            if hasattr(m, "window"):
+                m.window = timed(m, m.window)
                 patched.append(m)
     try:
         with Window(device, meter) as w:
@@ -88,7 +89,7 @@ def profile_decode_step(engine, prompt: list[int], meter: EnergyMeter, top: int 
         for h in handles:
             h.remove()
         for m in patched:
-            del m.decode
+            del m.window
         engine.runner.graphs = graphs
     in_modules = sum(totals.values())
     per_kind = {k: round(v * 1000, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}

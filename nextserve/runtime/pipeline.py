@@ -1,7 +1,7 @@
 """Pipeline stages: the model's layers split into contiguous ranges, one process per stage, each on its
 own device (the CPU, or a GPU per stage), activations passed stage to stage (DESIGN.md "Pipeline"). One
 microbatch in flight: every stage runs each step's prefill chunks and decode batch in turn; on GPUs a
-stage's decode steps replay CUDA graphs of its layers (verify windows and prefill chunks run eagerly).
+stage's decode steps and verify windows replay CUDA graphs of its layers (prefill chunks run eagerly).
 
 # NOTE: the engine process is stage 0 and the driver: its scheduler allocates state slots and KV pages
 # for every stage, since each stage holds its own layers' planes of the same sizes, indexed alike. A
