@@ -21,6 +21,7 @@ from ..model.mtp import MTP
 from ..ops.triton.common import pdl_mode
 from .graph_runner import GraphRunner
 from .mtp_runner import MtpDrafter, MtpRows
+from .windows import accept_windows, plain_greedy, window_inputs
 
 log = logging.getLogger("nextserve.runner")
 
@@ -64,31 +65,8 @@ class ModelRunner:
             self.drafter = MtpDrafter(model, mtp, states, draft_tokens, self.decode_batch, pool)
 
     def window_inputs(self, chunks: list[Chunk], W: int) -> tuple[np.ndarray, list[list[int]]]:
-        """Host inputs [5, W, B] (see cache.decode_rows.fill_window) and block tables of one step of
-        `chunks`, distinct sequences: a decode step (W = 1) or verify windows, chunk b's row j being its
-        last token (j = 0) or draft j at position start + j. A window of fewer rows pads the rest; its
-        rows but the last keep their state in the slot's keep slots."""
-        B, scratch = len(chunks), self.states.scratch_slot
-        if W == 1:  # a decode step: one row each, whole fields at once (the hot path)
-            for ch in chunks:
-                ch.seq.cache.own_page_at(ch.start)
-            ids = [ch.seq.token_at(ch.start) for ch in chunks]
-            slots = [ch.seq.cache.slot for ch in chunks]
-            rows = [ids, [ch.start for ch in chunks], slots, [scratch] * B, range(B)]
-            return np.array(rows, dtype=np.int64)[:, None], [ch.seq.cache.block_table for ch in chunks]
-        inputs = np.zeros((WINDOW_FIELDS, W, B), dtype=np.int64)
-        inputs[2:4], inputs[4] = scratch, -1  # padding rows: the scratch slot and table row
-        for b, ch in enumerate(chunks):
-            n, cache = 1 + len(ch.drafts), ch.seq.cache
-            for p in range(ch.start, ch.start + n):
-                cache.own_page_at(p)
-            inputs[0, :n, b] = [ch.seq.token_at(ch.start), *ch.drafts]
-            inputs[1, :n, b] = range(ch.start, ch.start + n)
-            inputs[2, :n, b], inputs[4, :n, b] = cache.slot, b
-            if n > 1:
-                first, last = self.states.keep_slot(cache.slot, 0), self.states.keep_slot(cache.slot, n - 2)
-                inputs[3, : n - 1, b] = range(first, last + 1)  # keep_slot(slot, j) for j < n - 1
-        return inputs, [ch.seq.cache.block_table for ch in chunks]
+        """Host inputs of one step of `chunks` W rows each (runtime/windows.py)."""
+        return window_inputs(chunks, W, self.states)
 
     def decode_batch(self, ids, positions, slots, tables, width: int | None = None) -> DecodeBatch:
         """An eager DecodeBatch; block tables padded with the scratch page to `width` (default: the
@@ -268,11 +246,11 @@ class ModelRunner:
         kept: dict[int, torch.Tensor] | None = None,
     ) -> list[ChunkResult]:
         """The results of verify windows from their rows' logits [W, B, V] (and argmax [W, B] when
-        computed): each window sampled (`_accept`), the slots of windows with a rejected draft rewound to
-        the keep slot of their last committed row, the committed rows' streams [W, B, nH] to `kept` when
-        the MTP drafts."""
+        computed): each window sampled (`accept_windows`), the slots of windows with a rejected draft
+        rewound to the keep slot of their last committed row, the committed rows' streams [W, B, nH] to
+        `kept` when the MTP drafts."""
         try:
-            sampled = self._accept(chunks, logits, top)
+            sampled = accept_windows(chunks, logits, top)
         except Exception as exc:  # noqa: BLE001 - those requests only (C2)
             log.exception("sampling verify windows failed")
             return [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
@@ -292,30 +270,6 @@ class ModelRunner:
         self.states.rewind(kept_slots, slots)  # with pipeline stages: mirrored to every stage
         return results
 
-    def _accept(
-        self, chunks: list[Chunk], logits: torch.Tensor, top: torch.Tensor | None
-    ) -> list[list[tuple[int, TokenLogprob | None]] | str]:
-        """Each window's sampled rows (sample_window), or the error that ends its request. Plain greedy
-        windows read the argmax of their rows, the others move their rows to the CPU sampler."""
-        plain = [b for b, ch in enumerate(chunks) if _plain_greedy(ch)]
-        rest = [b for b, ch in enumerate(chunks) if not _plain_greedy(ch)]
-        tops = (top if top is not None else logits.argmax(dim=-1)).tolist() if plain else None  # [W][B]
-        rows = logits[:, rest].float().cpu() if rest else None  # [W, R, V]
-        out: list = [None] * len(chunks)
-        for b in plain:
-            ch, got = chunks[b], []
-            for j in range(len(ch.drafts) + 1):
-                got.append((tops[j][b], None))
-                if j == len(ch.drafts) or got[-1][0] != ch.drafts[j]:
-                    break
-            out[b] = got
-        for i, b in enumerate(rest):
-            try:
-                out[b] = sample_window(rows[: len(chunks[b].drafts) + 1, i], chunks[b])
-            except Exception as exc:  # noqa: BLE001 - that request only
-                out[b] = _describe(exc)
-        return out
-
     def _sample(
         self, chunks: list[Chunk], parts: list[tuple[torch.Tensor, torch.Tensor | None]]
     ) -> list[ChunkResult]:
@@ -325,7 +279,7 @@ class ModelRunner:
         # NOTE: plain greedy rows (no logprobs, no grammar) take their argmax on the device and move
         # one id each; the others move their whole row to the CPU sampler. argmax returns the first
         # maximal index on every device, so both give the same token for the same logits."""
-        plain = [i for i, ch in enumerate(chunks) if _plain_greedy(ch)]
+        plain = [i for i, ch in enumerate(chunks) if plain_greedy(ch)]
         rest = [i for i in range(len(chunks)) if i not in set(plain)]
         tokens, rows = {}, {}
         if plain:
@@ -348,21 +302,5 @@ class ModelRunner:
         return results
 
 
-def sample_window(logits: torch.Tensor, ch: Chunk) -> list[tuple[int, TokenLogprob | None]]:
-    """A verify window's rows [1 + k, V] sampled in order with the request's own sampler, up to the
-    first sampled token that differs from its draft (kept too: it is the next token), or all of them."""
-    seq, sampled = ch.seq, []
-    for j in range(logits.shape[0]):
-        sampled.append(sample_row(logits[j], seq.params, seq.generator))
-        if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
-            break
-    return sampled
-
-
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(ts)
-
-
-def _plain_greedy(ch: Chunk) -> bool:
-    p = ch.seq.params
-    return p.greedy and p.logprobs is None and ch.seq.constraint is None
