@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nextserve.bench.model import bench_config, engine_for_model, random_flash_next  # noqa: E402
+from nextserve.bench.model import bench_config, engine_for_model, random_flash_next, start_decoding  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
 from nextserve.engine.scheduler import Chunk  # noqa: E402
@@ -66,15 +66,7 @@ def main() -> None:
     runs = []
     for c in a.concurrency:
         params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
-        for _ in range(c):
-            engine.add_request(
-                torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist(), params
-            )
-        while (
-            any(s.in_prefill or not s.output_ids for s in engine.scheduler.running)
-            or engine.scheduler.waiting
-        ):
-            engine.step()
+        start_decoding(engine, c, a.prompt_len, params, g)
         seqs = list(engine.scheduler.running)
         replay: dict[int, list[float]] = {W: [] for W in graphs.windows}
         verify: dict[int, list[float]] = {W: [] for W in graphs.windows[1:]}

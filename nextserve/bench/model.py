@@ -80,3 +80,14 @@ def engine_for_model(model: FlashNext, device: torch.device, dtype: torch.dtype,
 
     dtype_name = next(name for name, dt in DTYPES.items() if dt == dtype)
     return LLMEngine(EngineConfig(device=str(device), dtype=dtype_name, **engine_flags), model=model)
+
+
+def start_decoding(engine, count: int, prompt_len: int, params, gen: torch.Generator) -> None:
+    """Add `count` requests of random prompt ids and step the engine until every one is decoding (its
+    prefill done and its first token sampled)."""
+    vocab = engine.model_config.vocab_size
+    for _ in range(count):
+        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
+    sched = engine.scheduler
+    while any(s.in_prefill or not s.output_ids for s in sched.running) or sched.waiting:
+        engine.step()
