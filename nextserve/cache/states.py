@@ -94,6 +94,21 @@ class StateSlots:
         self.mtp_hidden = torch.zeros(n_mtp, S, cfg.hc_hidden, dtype=dtype, **kw)
         self._free = list(range(num_slots - 1, -1, -1))
 
+    @staticmethod
+    def slot_bytes(cfg: ModelConfig, num_attn_layers: int, dtype: torch.dtype) -> int:
+        """Bytes one slot takes in a holder of every layer's state (num_attn_layers attention planes, the
+        MTP layer's last), as __init__ allocates them."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        nG, nP = len(cfg.gdn_layers), len(cfg.ple_layers)
+        hist = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
+        return (
+            nG * cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
+            + nG * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+            + nP * ((cfg.ngram_size - 1) * 8 + cfg.hc_hidden * hist * elem)
+            + num_attn_layers * (cfg.indexer_compress_ratio - 1) * cfg.indexer_head_dim * elem
+            + int(num_attn_layers > len(cfg.qsa_layers)) * cfg.hc_hidden * elem
+        )
+
     def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv histories, recurrent states) of every slot for one GDN layer (model-wide index)."""
         i = local(self.kinds.gdn, gdn_index, "GDN")

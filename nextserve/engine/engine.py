@@ -79,9 +79,18 @@ class LLMEngine:
             self.device = devices[0]  # stage 0's, where the driver samples
         # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
         steps = config.speculative_tokens if config.speculative_method != "off" else 0
+        mtp = None
         if stages == 1:
-            # NOTE: before the KV pool is sized from the free memory: the keep slots of verify windows
-            # (speculative_tokens per slot) can take gigabytes at real widths.
+            # NOTE: the weights (the MTP block's too) and the state slots (with the keep slots of verify
+            # windows: gigabytes at real widths) are in memory before the KV pool is sized from what is free.
+            self.model = load_model(config, cfg) if model is None else model.eval()
+            if config.speculative_method == "mtp":
+                if model is not None:
+                    raise ConfigError(
+                        "speculative_method mtp loads the MTP block from --model; pass no model"
+                    )
+                mtp = load_mtp(config.model, cfg, self.dtype, self.device)  # ConfigError without mtp.*
+            self._check_state_memory(cfg, n_attn, steps)
             self.slots = StateSlots(
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
             )
@@ -96,7 +105,6 @@ class LLMEngine:
                 self.device, self.max_context, steps,
             )  # fmt: skip
         else:
-            self.model = load_model(config, cfg) if model is None else model.eval()
             self.model.prepare(self.max_context)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
         host = (
@@ -109,13 +117,10 @@ class LLMEngine:
             if config.prefix_cache_images > 0
             else None
         )
-        proposer, mtp = None, None
+        proposer = None
         if config.speculative_method == "ngram":
             proposer = NgramProposer(config.speculative_tokens)
         elif config.speculative_method == "mtp":
-            if model is not None:
-                raise ConfigError("speculative_method mtp loads the MTP block from --model; pass no model")
-            mtp = load_mtp(config.model, cfg, self.dtype, self.device)  # ConfigError without mtp.*
             proposer = MtpProposer(config.speculative_tokens)
         self.spec_drafted = self.spec_accepted = 0
         self.scheduler = Scheduler(
@@ -186,6 +191,21 @@ class LLMEngine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+
+    def _check_state_memory(self, cfg: ModelConfig, n_attn: int, steps: int) -> None:
+        """A ConfigError, not an out-of-memory error, when the state slots do not fit on the GPU."""
+        if self.device.type != "cuda":
+            return
+        c = self.config
+        need = StateSlots.slot_bytes(cfg, n_attn, self.dtype) * (1 + c.max_concurrency * (1 + steps))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > free - c.memory_headroom_mib * 2**20:
+            raise ConfigError(
+                f"the state slots need {need / 2**20:.0f} MiB ({c.max_concurrency} sequences"
+                + (f", {steps} keep slots each for speculative_tokens" if steps else "")
+                + f") and {free / 2**20:.0f} MiB are free; lower --max-concurrency"
+                + (" or --speculative-tokens" if steps else "")
+            )
 
     def _kv_capacity(self, n_attn: int) -> int:
         cap = self.config.kv_capacity

@@ -118,3 +118,27 @@ def test_speculation_with_prefix_reuse(small_model_dir) -> None:
     llm.engine.clear_prefix_cache()
     s = llm.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"] and s["spec_accepted_tokens"] > 0
+
+
+def test_state_slots_that_do_not_fit_are_a_config_error(oracle_config, monkeypatch) -> None:
+    """On a GPU the keep slots of speculation (speculative_tokens per sequence) are counted before they are
+    allocated: too many are a ConfigError naming the flags to lower, not an out-of-memory crash."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nextserve.cache.states import StateSlots
+    from nextserve.engine.engine import LLMEngine
+
+    n_attn = len(oracle_config.qsa_layers) + 1
+    per_slot = StateSlots.slot_bytes(oracle_config, n_attn, torch.float32)
+    config = EngineConfig(model="unused", max_concurrency=8, memory_headroom_mib=0)
+    eng = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, config=config)
+    need = per_slot * (1 + 8 * (1 + 4))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need, 10 * need))
+    LLMEngine._check_state_memory(eng, oracle_config, n_attn, 4)  # fits exactly
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need - 1, 10 * need))
+    with pytest.raises(ConfigError, match="lower --max-concurrency or --speculative-tokens"):
+        LLMEngine._check_state_memory(eng, oracle_config, n_attn, 4)
+    eng.device = torch.device("cpu")  # the CPU's budget is --cpu-kv-budget-mib's business
+    LLMEngine._check_state_memory(eng, oracle_config, n_attn, 4)
