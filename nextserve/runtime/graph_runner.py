@@ -99,11 +99,6 @@ class GraphRunner:
         """Whether a step of `rows` sequences, W rows each, has a graph."""
         return rows <= self.buckets[-1] and W <= self.windows[-1]
 
-    def _step(self, W: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = window_batch(self.pool, self.states, self.meta, self.table, W, G)
-        streams = self.model.window(batch)
-        return streams, self.model.logits(streams, row_invariant=True)
-
     def _fill(self, inputs: np.ndarray, tables: list[list[int]], W: int, G: int) -> None:
         self._uploaded.synchronize()
         fill_window(
