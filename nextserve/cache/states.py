@@ -95,18 +95,18 @@ class StateSlots:
         self._free = list(range(num_slots - 1, -1, -1))
 
     @staticmethod
-    def slot_bytes(cfg: ModelConfig, num_attn_layers: int, dtype: torch.dtype) -> int:
-        """Bytes one slot takes in a holder of every layer's state (num_attn_layers attention planes, the
-        MTP layer's last), as __init__ allocates them."""
+    def slot_bytes(cfg: ModelConfig, kinds: KindRange, dtype: torch.dtype) -> int:
+        """Bytes one slot takes in a holder of `kinds` (KindRange; attention index n_qsa: the MTP layer's
+        planes), as __init__ allocates them."""
         elem = torch.empty((), dtype=dtype).element_size()
-        nG, nP = len(cfg.gdn_layers), len(cfg.ple_layers)
+        nG, nP, n_attn = len(kinds.gdn), len(kinds.ple), len(kinds.attn)
         hist = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
         return (
             nG * cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
             + nG * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
             + nP * ((cfg.ngram_size - 1) * 8 + cfg.hc_hidden * hist * elem)
-            + num_attn_layers * (cfg.indexer_compress_ratio - 1) * cfg.indexer_head_dim * elem
-            + int(num_attn_layers > len(cfg.qsa_layers)) * cfg.hc_hidden * elem
+            + n_attn * (cfg.indexer_compress_ratio - 1) * cfg.indexer_head_dim * elem
+            + int(len(cfg.qsa_layers) in kinds.attn) * cfg.hc_hidden * elem
         )
 
     def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -11,10 +12,10 @@ import torch
 from ..cache.host_store import HostImageStore
 from ..cache.kv_pool import KVPool, PoolExhausted
 from ..cache.prefix import PrefixCache
-from ..cache.states import StateSlots
+from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import load_weights
+from ..model.loader import expected_shapes, load_weights
 from ..ops.triton.common import pdl_mode
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
@@ -49,6 +50,15 @@ def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int
     elem = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / cfg.indexer_compress_ratio
     return int(n_attn * per_layer * elem) + 1
+
+
+def _in_stage(name: str, layers: range, cfg: ModelConfig) -> bool:
+    """Whether checkpoint tensor `name` (the loader's runtime names) belongs to the stage of `layers`."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) in layers
+    if name.startswith("embed_tokens."):
+        return layers.start == 0
+    return layers.stop == cfg.num_hidden_layers  # the mixer and lm_head
 
 
 def load_model(config: EngineConfig, cfg: ModelConfig) -> FlashNext:
@@ -94,7 +104,7 @@ class LLMEngine:
             self.slots = StateSlots(
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
             )
-        capacity = self._kv_capacity(n_attn)
+        capacity = self._kv_capacity(n_attn, (ranges, devices, steps) if stages > 1 else None)
         self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
         if config.max_context is not None and config.max_context > capacity:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
@@ -197,7 +207,8 @@ class LLMEngine:
         if self.device.type != "cuda":
             return
         c = self.config
-        need = StateSlots.slot_bytes(cfg, n_attn, self.dtype) * (1 + c.max_concurrency * (1 + steps))
+        kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
+        need = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + c.max_concurrency * (1 + steps))
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > free - c.memory_headroom_mib * 2**20:
             raise ConfigError(
@@ -207,22 +218,48 @@ class LLMEngine:
                 + (" or --speculative-tokens" if steps else "")
             )
 
-    def _kv_capacity(self, n_attn: int) -> int:
-        cap = self.config.kv_capacity
+    def _kv_capacity(self, n_attn: int, stages: tuple | None = None) -> int:
+        """Tokens of the KV pool: kv_capacity, or with "auto" what the free memory holds (on the CPU,
+        cpu_kv_budget_mib). `stages`: (layer ranges, devices, keep slots per slot) of pipeline stages, whose
+        weights and state slots are not loaded yet (stage_kv_tokens)."""
+        cap, cfg = self.config.kv_capacity, self.model_config
         if cap != "auto":
             return int(cap)
-        per_token = kv_bytes_per_token(self.model_config, n_attn, self.dtype)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and stages is not None:
+            tokens = self._stage_kv_tokens(*stages)
+        elif self.device.type == "cuda":  # one process: the weights and slots are in already
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free - self.config.memory_headroom_mib * 2**20
+            tokens = (free - self.config.memory_headroom_mib * 2**20) // kv_bytes_per_token(
+                cfg, n_attn, self.dtype
+            )
         else:
-            budget = self.config.cpu_kv_budget_mib * 2**20
-        tokens = budget // per_token
+            tokens = self.config.cpu_kv_budget_mib * 2**20 // kv_bytes_per_token(cfg, n_attn, self.dtype)
         if tokens < self.config.page_size:
             raise ConfigError(
                 "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
             )
-        return int(min(tokens, self.config.max_concurrency * self.model_config.max_position_embeddings))
+        return int(min(tokens, self.config.max_concurrency * cfg.max_position_embeddings))
+
+    def _stage_kv_tokens(self, ranges: list[range], devices: list[torch.device], steps: int) -> int:
+        """The KV tokens every stage's GPU holds besides its stages' weights and state slots (each stage
+        keeps its own layers' KV planes, all of the same pool size): the least over the GPUs.
+
+        # NOTE: the driver reads the free memory of stage 0's GPU only (querying another would create a
+        # CUDA context on it from this process); the other GPUs are taken to have as much free."""
+        cfg, c = self.model_config, self.config
+        free, _ = torch.cuda.mem_get_info(devices[0])
+        shapes = expected_shapes(cfg)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_device: dict[torch.device, list[int]] = {}  # device -> [bytes needed, KV bytes per token]
+        for layers, dev in zip(ranges, devices, strict=True):
+            kinds = KindRange.of(cfg, layers)
+            weights = sum(math.prod(shape) for name, shape in shapes.items() if _in_stage(name, layers, cfg))
+            slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + c.max_concurrency * (1 + steps))
+            need = per_device.setdefault(dev, [0, 0])
+            need[0] += weights * elem + slots
+            need[1] += kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
+        budget = free - c.memory_headroom_mib * 2**20
+        return min((budget - need) // per_token for need, per_token in per_device.values())
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

@@ -4,7 +4,7 @@ rewind copies back: every target layer's state, never the MTP layer's (the draft
 import pytest
 import torch
 
-from nextserve.cache.states import STATE_FIELDS, StateSlots
+from nextserve.cache.states import STATE_FIELDS, KindRange, StateSlots
 
 
 def _fill(slots: StateSlots, slot: int, value: float) -> None:
@@ -47,4 +47,8 @@ def test_slot_bytes_counts_what_is_allocated(oracle_config, dtype) -> None:
     n_attn = len(oracle_config.qsa_layers) + 1
     slots = StateSlots(oracle_config, 3, n_attn, dtype, window_steps=2)
     total = sum(getattr(slots, name).numel() * getattr(slots, name).element_size() for name in STATE_FIELDS)
-    assert total == StateSlots.slot_bytes(oracle_config, n_attn, dtype) * slots.gdn_rec.shape[1]
+    assert total == StateSlots.slot_bytes(oracle_config, slots.kinds, dtype) * slots.gdn_rec.shape[1]
+    stage = KindRange.of(oracle_config, range(0, 2))  # a first stage: no MTP planes
+    part = StateSlots(oracle_config, 3, len(stage.attn), dtype, kinds=stage)
+    total = sum(getattr(part, name).numel() * getattr(part, name).element_size() for name in STATE_FIELDS)
+    assert total == StateSlots.slot_bytes(oracle_config, stage, dtype) * part.gdn_rec.shape[1]

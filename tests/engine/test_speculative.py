@@ -127,11 +127,14 @@ def test_state_slots_that_do_not_fit_are_a_config_error(oracle_config, monkeypat
 
     import torch
 
-    from nextserve.cache.states import StateSlots
+    from nextserve.cache.states import KindRange, StateSlots
     from nextserve.engine.engine import LLMEngine
 
     n_attn = len(oracle_config.qsa_layers) + 1
-    per_slot = StateSlots.slot_bytes(oracle_config, n_attn, torch.float32)
+    kinds = KindRange(
+        range(len(oracle_config.gdn_layers)), range(len(oracle_config.ple_layers)), range(n_attn)
+    )
+    per_slot = StateSlots.slot_bytes(oracle_config, kinds, torch.float32)
     config = EngineConfig(model="unused", max_concurrency=8, memory_headroom_mib=0)
     eng = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, config=config)
     need = per_slot * (1 + 8 * (1 + 4))
