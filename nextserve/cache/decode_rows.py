@@ -35,16 +35,18 @@ def fill_window(
     G: int,
     scratch_slot: int,
     scratch_page: int,
+    W: int | None = None,
 ) -> None:
-    """Lay out W steps of B rows (inputs [5, W, B] int64) for G >= B rows a step: meta [5, >= W*G] gets row
-    j*G + b, rows b >= B padding (token 0 at position 0 on the scratch slot, reading table row G, as do
-    the rows whose table row is -1); table [>= G+1, max_pages] gets the B block
-    tables, rows B .. G scratch pages."""
-    _, W, B = inputs.shape
+    """Lay out W_in steps of B rows (inputs [5, W_in, B] int64) as W >= W_in steps (default W_in) of G >= B
+    rows: meta [5, >= W*G] gets row j*G + b; the rest is padding (token 0 at position 0 on the scratch
+    slot, reading table row G), as are the rows whose table row is -1. table [>= G+1, max_pages] gets
+    the B block tables, rows B .. G scratch pages."""
+    _, W_in, B = inputs.shape
+    W = W or W_in
     m = meta[:, : W * G].reshape(WINDOW_FIELDS, W, G)  # a view: splitting the contiguous last axis
-    m[:, :, :B] = inputs
-    m[4, :, :B][inputs[4] < 0] = G
-    m[:, :, B:] = np.array([0, 0, scratch_slot, scratch_slot, G])[:, None, None]
+    m[:] = np.array([0, 0, scratch_slot, scratch_slot, G])[:, None, None]
+    m[:, :W_in, :B] = inputs
+    m[4, :W_in, :B][inputs[4] < 0] = G
     if table is not None:  # None: filled already, for another meta over the same rows
         fill_block_tables(table[: G + 1], tables, scratch_page)
 
@@ -141,3 +143,22 @@ def window_batch(
         steps.append(DecodeBatch(ids, pos, DecodeRows(pool, states, slots, pos, step_table, kept)))
     n = W * B
     return WindowBatch(meta[0, :n], meta[1, :n], tuple(steps))
+
+
+def eager_window(
+    pool: KVPool,
+    states: StateSlots,
+    inputs: np.ndarray,
+    tables: list[list[int]],
+    device: torch.device,
+    keep: bool = True,
+    gather: bool | None = None,
+) -> WindowBatch:
+    """window_batch over host inputs [5, W, B] (fill_window) laid out for exactly their B rows and moved
+    to `device`: a window run eagerly, without a graph's static buffers."""
+    _, W, B = inputs.shape
+    meta = np.empty((WINDOW_FIELDS, W * B), dtype=np.int64)
+    table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
+    fill_window(meta, table, inputs, tables, B, states.scratch_slot, pool.scratch_page)
+    meta_t, table_t = torch.from_numpy(meta).to(device), torch.from_numpy(table).to(device)
+    return window_batch(pool, states, meta_t, table_t, W, B, keep, gather)

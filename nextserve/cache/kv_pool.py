@@ -8,6 +8,13 @@ import torch
 from ..config import ModelConfig
 
 
+def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int:
+    """Bytes a token takes in a pool of `n_attn` attention planes: K and V, and its share of the block key."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / cfg.indexer_compress_ratio
+    return int(n_attn * per_layer * elem) + 1
+
+
 class PoolExhausted(RuntimeError):
     """Not enough free pages; the scheduler checks `num_free` first, so this means a bug or a race."""
 

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 from pathlib import Path
 
 import torch
 
 from ..cache.host_store import HostImageStore
-from ..cache.kv_pool import KVPool, PoolExhausted
+from ..cache.kv_pool import KVPool, PoolExhausted, kv_bytes_per_token
 from ..cache.prefix import PrefixCache
 from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import expected_shapes, load_weights
+from ..model.loader import load_weights
 from ..ops.triton.common import pdl_mode
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
-from ..runtime.pipeline import PipelineRunner, build_stage, stage_layers
+from ..runtime.pipeline import PipelineRunner, StageNeeds, build_stage, stage_layers
 from ..runtime.runner import ChunkResult, ModelRunner
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
@@ -44,21 +43,6 @@ def load_tokenizer(model_dir: str | Path):
     # NOTE: not AutoTokenizer: it also parses config.json, and transformers releases disagree on
     # qwen4_exp layer-type names (5.17 rejects a 5.23 config), which must not stop a tokenizer load.
     return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-
-
-def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / cfg.indexer_compress_ratio
-    return int(n_attn * per_layer * elem) + 1
-
-
-def _in_stage(name: str, layers: range, cfg: ModelConfig) -> bool:
-    """Whether checkpoint tensor `name` (the loader's runtime names) belongs to the stage of `layers`."""
-    if name.startswith("layers."):
-        return int(name.split(".")[1]) in layers
-    if name.startswith("embed_tokens."):
-        return layers.start == 0
-    return layers.stop == cfg.num_hidden_layers  # the mixer and lm_head
 
 
 def load_model(config: EngineConfig, cfg: ModelConfig) -> FlashNext:
@@ -226,7 +210,9 @@ class LLMEngine:
         if cap != "auto":
             return int(cap)
         if self.device.type == "cuda" and stages is not None:
-            tokens = self._stage_kv_tokens(*stages)
+            ranges, devices, steps = stages
+            need = StageNeeds(self.model_config, self.dtype, self.config.max_concurrency, steps)
+            tokens = need.kv_tokens(ranges, devices, self.config.memory_headroom_mib * 2**20)
         elif self.device.type == "cuda":  # one process: the weights and slots are in already
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = (free - self.config.memory_headroom_mib * 2**20) // kv_bytes_per_token(
@@ -239,27 +225,6 @@ class LLMEngine:
                 "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
             )
         return int(min(tokens, self.config.max_concurrency * cfg.max_position_embeddings))
-
-    def _stage_kv_tokens(self, ranges: list[range], devices: list[torch.device], steps: int) -> int:
-        """The KV tokens every stage's GPU holds besides its stages' weights and state slots (each stage
-        keeps its own layers' KV planes, all of the same pool size): the least over the GPUs.
-
-        # NOTE: the driver reads the free memory of stage 0's GPU only (querying another would create a
-        # CUDA context on it from this process); the other GPUs are taken to have as much free."""
-        cfg, c = self.model_config, self.config
-        free, _ = torch.cuda.mem_get_info(devices[0])
-        shapes = expected_shapes(cfg)
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_device: dict[torch.device, list[int]] = {}  # device -> [bytes needed, KV bytes per token]
-        for layers, dev in zip(ranges, devices, strict=True):
-            kinds = KindRange.of(cfg, layers)
-            weights = sum(math.prod(shape) for name, shape in shapes.items() if _in_stage(name, layers, cfg))
-            slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + c.max_concurrency * (1 + steps))
-            need = per_device.setdefault(dev, [0, 0])
-            need[0] += weights * elem + slots
-            need[1] += kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
-        budget = free - c.memory_headroom_mib * 2**20
-        return min((budget - need) // per_token for need, per_token in per_device.values())
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

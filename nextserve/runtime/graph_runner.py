@@ -101,9 +101,8 @@ class GraphRunner:
 
     def _fill(self, inputs: np.ndarray, tables: list[list[int]], W: int, G: int) -> None:
         self._uploaded.synchronize()
-        fill_window(
-            self._meta_np, self._table_np, inputs, tables, G, self.states.scratch_slot, self.pool.scratch_page
-        )
+        scratch_slot, scratch_page = self.states.scratch_slot, self.pool.scratch_page
+        fill_window(self._meta_np, self._table_np, inputs, tables, G, scratch_slot, scratch_page, W)
         self._upload(G)
 
     def _upload(self, G: int) -> None:
@@ -112,14 +111,9 @@ class GraphRunner:
         self.inputs[:n].copy_(self.inputs_host[:n], non_blocking=True)
         self._uploaded.record()
 
-    def _pad_steps(self, inputs: np.ndarray, W: int, G: int) -> np.ndarray:
-        """inputs [5, W_in, B] with padding steps up to W."""
-        _, W_in, B = inputs.shape
-        if W == W_in:
-            return inputs
-        pad = np.zeros((WINDOW_FIELDS, W - W_in, B), dtype=np.int64)
-        pad[2:4], pad[4] = self.states.scratch_slot, G
-        return np.concatenate([inputs, pad], axis=1)
+    def _bucket(self, W_in: int, B: int) -> tuple[int, int]:
+        """The captured (W, bucket) a step of W_in rows for B sequences replays (its extra rows padding)."""
+        return next(w for w in self.windows if w >= W_in), next(b for b in self.buckets if b >= B)
 
     def _shapes(self) -> list[tuple[int, int]]:
         return [(W, G) for W in self.windows for G in self.buckets]
@@ -132,7 +126,7 @@ class GraphRunner:
         empty = np.zeros((WINDOW_FIELDS, W, 0), dtype=np.int64)
         self._fill(empty, [], W, G)
         if self.drafter is not None:
-            self._fill_mtp(empty, np.zeros((WINDOW_FIELDS, self.drafter.k, 0), dtype=np.int64), [], G)
+            self._fill_mtp(empty, np.zeros((WINDOW_FIELDS, self.drafter.k, 0), dtype=np.int64), [], W, G)
         families = [(self.graphs, self._step)]
         if self.drafter is not None:
             families.append((self.mtp_graphs, self._mtp_step))
@@ -173,9 +167,8 @@ class GraphRunner:
         for a stage that is not the first): streams [W, B, nH], logits [W, B, V] and their argmax [W, B]
         (None without logits), views of the graph's outputs: copy them before the next replay."""
         _, W_in, B = inputs.shape
-        W = next(w for w in self.windows if w >= W_in)  # a shorter window: its last steps are padding
-        G = next(b for b in self.buckets if b >= B)
-        self._fill(self._pad_steps(inputs, W, G), tables, W, G)
+        W, G = self._bucket(W_in, B)
+        self._fill(inputs, tables, W, G)
         if self.x_in is not None:
             self.x_in[: W * G].view(W, G, -1)[:W_in, :B].copy_(x.view(W_in, B, -1))
         graph, streams, *out = self.graphs[(W, G)]
@@ -196,10 +189,12 @@ class GraphRunner:
         chain = d.window_batch(self.meta[:, self.cols :], self.table, d.k, G)
         return (d.window_drafts(rows, self.mtp_x[: Wm * G], chain, self.mtp_multi[:G]),)
 
-    def _fill_mtp(self, rows: np.ndarray, chain: np.ndarray, tables: list[list[int]], G: int) -> None:
+    def _fill_mtp(
+        self, rows: np.ndarray, chain: np.ndarray, tables: list[list[int]], Wm: int, G: int
+    ) -> None:
         self._uploaded.synchronize()
         scratch_slot, scratch_page = self.states.scratch_slot, self.pool.scratch_page
-        fill_window(self._meta_np, self._table_np, rows, tables, G, scratch_slot, scratch_page)
+        fill_window(self._meta_np, self._table_np, rows, tables, G, scratch_slot, scratch_page, Wm)
         fill_window(self._meta_np[:, self.cols :], None, chain, tables, G, scratch_slot, scratch_page)
         self._upload(G)
 
@@ -215,9 +210,8 @@ class GraphRunner:
         chains [5, k, B] from multi0 [B, nH] (MtpDrafter.window_inputs): drafts [k, B], a view of the
         graph's output."""
         _, Wm_in, B = rows.shape
-        Wm = next(w for w in self.windows if w >= Wm_in)
-        G = next(b for b in self.buckets if b >= B)
-        self._fill_mtp(self._pad_steps(rows, Wm, G), chain, tables, G)
+        Wm, G = self._bucket(Wm_in, B)
+        self._fill_mtp(rows, chain, tables, Wm, G)
         self.mtp_x[: Wm * G].view(Wm, G, -1)[:Wm_in, :B].copy_(x_in)
         self.mtp_multi[:B].copy_(multi0)
         graph, drafts = self.mtp_graphs[(Wm, G)]

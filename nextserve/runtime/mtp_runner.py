@@ -30,7 +30,6 @@ so whatever they are, outputs do not change (C1).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from ..cache.decode_rows import WINDOW_FIELDS, fill_window, window_batch
+from ..cache.decode_rows import WINDOW_FIELDS, eager_window, window_batch
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
@@ -90,15 +89,12 @@ class MtpDrafter:
         mtp: MTP,
         states: StateSlots,
         k: int,
-        decode_batch: Callable[[list[int], list[int], list[int], list[list[int]]], DecodeBatch],
         pool: KVPool,
     ) -> None:
-        """k: drafts per window at most; `decode_batch(ids, positions, slots, tables)`: an eager
-        DecodeBatch (ModelRunner's)."""
+        """k: drafts per window at most."""
         if k <= 0:
             raise ValueError(f"MTP drafting needs k >= 1, got {k}")
-        self.model, self.mtp, self.states, self.k, self.decode_batch = model, mtp, states, k, decode_batch
-        self.pool = pool
+        self.model, self.mtp, self.states, self.k, self.pool = model, mtp, states, k, pool
         self.graphs = None  # a GraphRunner holding this drafter's window graphs (set once captured)
 
     @torch.inference_mode()
@@ -121,35 +117,39 @@ class MtpDrafter:
             if ids:  # a prefill chunk's rows: one forward, as the target ran it
                 self._forward([(it.cache, r_start, streams, ids)], False)
             hidden[it.cache.slot] = it.streams[-1]
-        heads = [i for i, it in enumerate(items) if it.chain > 0 and it.sampled is not None]
-        drafts: list[tuple[int, ...]] = [()] * len(items)
-        if heads:
-            for i, chain in zip(heads, self._chain([items[i] for i in heads]), strict=True):
-                drafts[i] = chain
-        return drafts
+        if not any(_chain_of(it) for it in items):
+            return [()] * len(items)
+        multi0 = torch.stack([it.streams[-1] for it in items])
+        chain = eager_window(self.pool, self.states, *self._chain_inputs(items), multi0.device, False, True)
+        return _truncated(self.chain_drafts(chain, multi0), items)
 
     def window_inputs(self, items: list[MtpRows]) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
         """Host inputs (cache.decode_rows.fill_window) of verify windows' MTP rows [5, Wm, B] (row i of
-        item b: position start - 1 + i, fed its committed token i) and of their chains [5, k, B] (step j at
-        end - 1 + j, step 0 fed the sampled token; steps past an item's chain are padding), and the items'
-        block tables."""
+        item b: position start - 1 + i, fed its committed token i) and of their chains [5, k, B]
+        (`_chain_inputs`), and the items' block tables."""
         B, scratch = len(items), self.states.scratch_slot
-        Wm = max(len(it.ids) for it in items)
-        rows = np.zeros((WINDOW_FIELDS, Wm, B), dtype=np.int64)
-        chain = np.zeros((WINDOW_FIELDS, self.k, B), dtype=np.int64)
-        for a in (rows, chain):
-            a[2:4], a[4] = scratch, -1
+        rows = np.zeros((WINDOW_FIELDS, max(len(it.ids) for it in items), B), dtype=np.int64)
+        rows[2:4], rows[4] = scratch, -1
         for b, it in enumerate(items):
             m, slot = len(it.ids), it.cache.slot
             rows[0, :m, b], rows[1, :m, b] = it.ids, range(it.start - 1, it.start - 1 + m)
             rows[2, :m, b], rows[4, :m, b] = slot, b
-            n = it.chain if it.sampled is not None else 0
+        chain, tables = self._chain_inputs(items)
+        return rows, chain, tables
+
+    def _chain_inputs(self, items: list[MtpRows]) -> tuple[np.ndarray, list[list[int]]]:
+        """Host inputs [5, k, B] of the items' greedy chains (step j at end - 1 + j, step 0 fed the sampled
+        token; steps past an item's chain are padding), and the items' block tables."""
+        chain = np.zeros((WINDOW_FIELDS, self.k, len(items)), dtype=np.int64)
+        chain[2:4], chain[4] = self.states.scratch_slot, -1
+        for b, it in enumerate(items):
+            n, slot = _chain_of(it), it.cache.slot
             for p in range(it.end - 1, it.end - 1 + n):
                 it.cache.own_page_at(p)  # inside what admission reserved: p <= end + chain - 2
             if n:
                 chain[0, 0, b], chain[1, :n, b] = it.sampled, range(it.end - 1, it.end - 1 + n)
                 chain[2, :n, b], chain[4, :n, b] = slot, b
-        return rows, chain, [it.cache.block_table for it in items]
+        return chain, [it.cache.block_table for it in items]
 
     def _window_items(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
         """Verify windows' committed MTP rows and chains in one window of steps (see window_drafts)."""
@@ -167,24 +167,11 @@ class MtpDrafter:
             out = self.graphs.replay_mtp(rows, chain, tables, x_in, multi0)
         else:
             out = self._eager_window(rows, chain, tables, x_in, multi0)
-        drafts = out.tolist()  # [k][B]
-        return [
-            tuple(drafts[j][b] for j in range(it.chain if it.sampled is not None else 0))
-            for b, it in enumerate(items)
-        ]
+        return _truncated(out, items)
 
     def _eager_window(self, rows, chain, tables, x_in, multi0) -> torch.Tensor:
-        _, Wm, B = rows.shape
-        meta_rows = np.empty((WINDOW_FIELDS, Wm * B), dtype=np.int64)
-        meta_chain = np.empty((WINDOW_FIELDS, self.k * B), dtype=np.int64)
-        table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
-        scratch_slot, scratch_page = self.states.scratch_slot, self.pool.scratch_page
-        fill_window(meta_rows, table, rows, tables, B, scratch_slot, scratch_page)
-        fill_window(meta_chain, None, chain, tables, B, scratch_slot, scratch_page)
-        dev = multi0.device
-        table_t = torch.from_numpy(table).to(dev)
-        row_batch = self.window_batch(torch.from_numpy(meta_rows).to(dev), table_t, Wm, B)
-        chain_batch = self.window_batch(torch.from_numpy(meta_chain).to(dev), table_t, self.k, B)
+        row_batch = eager_window(self.pool, self.states, rows, tables, multi0.device, False, True)
+        chain_batch = eager_window(self.pool, self.states, chain, tables, multi0.device, False, True)
         return self.window_drafts(row_batch, x_in.flatten(0, 1), chain_batch, multi0)
 
     def window_batch(self, meta: torch.Tensor, table: torch.Tensor, W: int, B: int) -> WindowBatch:
@@ -205,6 +192,13 @@ class MtpDrafter:
         dtype = x_in.dtype
         embed = F.embedding(rows.input_ids, w_embed)  # [Wm*B, H]
         self.mtp.window(x_in, embed, rows, self.model.rope(rows.positions, dtype, True))
+        return self.chain_drafts(chain, multi0)
+
+    def chain_drafts(self, chain: WindowBatch, multi0: torch.Tensor) -> torch.Tensor:
+        """k greedy chain steps from multi0 [B, nH] (the target's streams of each item's last committed
+        row), step 0 fed chain's step-0 tokens (the sampled ones), each later step the draft before; each
+        step one row-invariant decode row per item at end - 1 + j: drafts [k, B]. No host reads."""
+        w_embed, dtype = self.model.embed_tokens.weight, multi0.dtype
         first = chain.steps[0].cache.slots  # each row's slot (scratch where it has no chain)
         tail = self.states.tail_plane(self.mtp.attn_index)  # [S, c-1, di]
         saved = tail.index_select(0, first)
@@ -246,34 +240,13 @@ class MtpDrafter:
         """multi_hidden [B, nH] -> each row's greedy draft [B] (the MTP mixer, then the target's lm_head)."""
         return linear(self.mtp.sample_hidden(multi, True), self.model.lm_head.weight, True).argmax(dim=-1)
 
-    def _chain(self, items: list[MtpRows]) -> list[tuple[int, ...]]:
-        """Greedy chains: step j is one row-invariant decode row per sequence at end - 1 + j, fed the
-        previous step's multi_hidden (step 0: the target's streams of the last row) and token (step 0:
-        the sampled one, then the previous draft)."""
-        multi = torch.cat([it.streams[-1:] for it in items])  # [B, nH]
-        chains: list[list[int]] = [[it.sampled] for it in items]  # the token each step feeds, then drafts
-        active = list(range(len(items)))  # item indices of the rows of multi
-        slots = torch.tensor([it.cache.slot for it in items], dtype=torch.long, device=multi.device)
-        tail = self.states.tail_plane(self.mtp.attn_index)  # [S, c-1, di]
-        saved = tail.index_select(0, slots)
-        try:
-            for j in range(max(it.chain for it in items)):
-                keep = [b for b, i in enumerate(active) if items[i].chain > j]
-                if len(keep) < len(active):
-                    multi = multi.index_select(0, torch.tensor(keep, dtype=torch.long, device=multi.device))
-                    active = [active[b] for b in keep]
-                rows = [items[i] for i in active]
-                positions = [it.end - 1 + j for it in rows]
-                for it, p in zip(rows, positions, strict=True):
-                    it.cache.own_page_at(p)  # inside what admission reserved: p <= end + chain - 2
-                slot_ids, tables = [it.cache.slot for it in rows], [it.cache.block_table for it in rows]
-                batch = self.decode_batch([chains[i][-1] for i in active], positions, slot_ids, tables)
-                embed = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # [B, H]
-                rope = self.model.rope(batch.positions, multi.dtype, True)
-                multi = self.mtp.decode(multi, embed, batch, rope)
-                for i, d in zip(active, self._greedy(multi).tolist(), strict=True):
-                    chains[i].append(d)
-        finally:
-            # NOTE: the chain's tail rows belong to positions past the committed ones (see the NOTE above).
-            tail.index_copy_(0, slots, saved)
-        return [tuple(c[1:]) for c in chains]
+
+def _chain_of(it: MtpRows) -> int:
+    """Drafts to chain after `it` (none without a sampled token to start from)."""
+    return it.chain if it.sampled is not None else 0
+
+
+def _truncated(drafts: torch.Tensor, items: list[MtpRows]) -> list[tuple[int, ...]]:
+    """Each item's chain from drafts [k, B] (its first _chain_of(item) steps)."""
+    rows = drafts.tolist()  # [k][B]
+    return [tuple(rows[j][b] for j in range(_chain_of(it))) for b, it in enumerate(items)]

@@ -17,6 +17,7 @@ stage's decode steps and verify windows replay CUDA graphs of its layers (prefil
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import subprocess
 import sys
@@ -26,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from ..cache.kv_pool import KVPool
+from ..cache.kv_pool import KVPool, kv_bytes_per_token
 from ..cache.states import KindRange, StateSlots
 from ..config import EngineConfig, ModelConfig
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.flash_next import FlashNext
-from ..model.loader import load_weights
+from ..model.loader import expected_shapes, load_weights
 from .decode_rounds import DecodeRounds, DecodeRow
 from .runner import ChunkResult, _describe
 from .stage_channel import StageChannel, free_port
@@ -95,6 +96,49 @@ def build_stage(
     slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds, window_steps=window_steps)
     pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
     return model, pool, slots
+
+
+def in_stage(name: str, layers: range, cfg: ModelConfig) -> bool:
+    """Whether checkpoint tensor `name` (the loader's runtime names) belongs to the stage of `layers`."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) in layers
+    if name.startswith("embed_tokens."):
+        return layers.start == 0
+    return layers.stop == cfg.num_hidden_layers  # the mixer and lm_head
+
+
+@dataclass(frozen=True)
+class StageNeeds:
+    """What every stage's GPU must hold besides its KV planes, for --kv-capacity auto: its layers' weights
+    and its state slots (`window_steps` keep slots each)."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    num_slots: int
+    window_steps: int
+
+    def bytes_and_kv_per_token(self, layers: range) -> tuple[int, int]:
+        """(bytes of the stage's weights and state slots, bytes per token of its KV planes)."""
+        cfg, kinds = self.cfg, KindRange.of(self.cfg, layers)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        weights = sum(math.prod(s) for name, s in expected_shapes(cfg).items() if in_stage(name, layers, cfg))
+        slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + self.num_slots * (1 + self.window_steps))
+        return weights * elem + slots, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
+
+    def kv_tokens(self, ranges: list[range], devices: list[torch.device], headroom: int) -> int:
+        """The KV tokens every stage's GPU holds besides its stages' needs (the pool is the same size in
+        every stage): the least over the GPUs, sized before any stage loads.
+
+        # NOTE: the free memory of stage 0's GPU only (reading another's would open a CUDA context on it
+        # from the driver); the other GPUs are taken to have as much free."""
+        free, _ = torch.cuda.mem_get_info(devices[0])
+        per_device: dict[torch.device, list[int]] = {}  # device -> [bytes needed, KV bytes per token]
+        for layers, dev in zip(ranges, devices, strict=True):
+            need, per_token = self.bytes_and_kv_per_token(layers)
+            total = per_device.setdefault(dev, [0, 0])
+            total[0] += need
+            total[1] += per_token
+        return min((free - headroom - need) // per_token for need, per_token in per_device.values())
 
 
 class PipelineRunner(StageWorker):

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..cache.decode_rows import WINDOW_FIELDS, DecodeRows, fill_block_tables, fill_window, window_batch
+from ..cache.decode_rows import eager_window
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
 from ..engine.sampling import TokenLogprob, sample_row
 from ..engine.scheduler import Chunk, StepPlan
-from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk
+from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
 from ..ops.triton.common import pdl_mode
@@ -62,22 +62,11 @@ class ModelRunner:
         self.pdl = pdl
         self.drafter = None
         if mtp is not None:
-            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, self.decode_batch, pool)
+            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, pool)
 
     def window_inputs(self, chunks: list[Chunk], W: int) -> tuple[np.ndarray, list[list[int]]]:
         """Host inputs of one step of `chunks` W rows each (runtime/windows.py)."""
         return window_inputs(chunks, W, self.states)
-
-    def decode_batch(self, ids, positions, slots, tables, width: int | None = None) -> DecodeBatch:
-        """An eager DecodeBatch; block tables padded with the scratch page to `width` (default: the
-        longest)."""
-        table = np.empty((len(tables), width or max(len(t) for t in tables)), dtype=np.int32)
-        fill_block_tables(table, tables, self.pool.scratch_page)
-        table, dev = torch.from_numpy(table), self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        rows = DecodeRows(self.pool, self.states, slot_t, pos, table.to(dev))
-        return DecodeBatch(torch.tensor(ids, dtype=torch.long, device=dev), pos, rows)
 
     def run_window(
         self, inputs: np.ndarray, tables: list[list[int]]
@@ -97,15 +86,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """W steps of B rows (window_inputs) run eagerly: streams [W*B, nH] after the model's layers (x
         [W*B, nH]: the previous pipeline stage's)."""
-        _, W, B = inputs.shape
-        meta = np.empty((WINDOW_FIELDS, W * B), dtype=np.int64)
-        table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
-        fill_window(meta, table, inputs, tables, B, self.states.scratch_slot, self.pool.scratch_page)
-        dev = self.device
-        batch = window_batch(
-            self.pool, self.states, torch.from_numpy(meta).to(dev), torch.from_numpy(table).to(dev), W, B
-        )
-        return self.model.window(batch, x)
+        return self.model.window(eager_window(self.pool, self.states, inputs, tables, self.device), x)
 
     def decode_logits(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences), and their
@@ -256,8 +237,8 @@ class ModelRunner:
             return [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
         results, kept_slots, slots = [], [], []
         for b, (ch, rows) in enumerate(zip(chunks, sampled, strict=True)):
-            if isinstance(rows, str):
-                results.append(ChunkResult(ch, error=rows))
+            if isinstance(rows, Exception):  # that request's sampler failed
+                results.append(ChunkResult(ch, error=_describe(rows)))
                 continue
             n_kept = len(rows)  # rows whose input is committed: the last token, the accepted drafts
             if n_kept <= len(ch.drafts):

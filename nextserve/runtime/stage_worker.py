@@ -192,15 +192,15 @@ class StageWorker(ModelRunner):
             self.graphs.capture()
 
     def _decode(self, d: DecodeWork, x: torch.Tensor | None) -> torch.Tensor:
-        """A decode item's streams after this stage's layers [n, nH] (x: the previous stage's)."""
+        """A decode item's streams after this stage's layers [n, nH] (x: the previous stage's): a window
+        of one row each."""
         n = len(d.ids)
-        if self.graphs is None or not self.graphs.fits(n):
-            return self.model.decode(self.decode_batch(d.ids, d.positions, d.slots, d.tables), x)
         rows = [d.ids, d.positions, d.slots, [self.states.scratch_slot] * n, range(n)]
-        return self._replay(np.array(rows, dtype=np.int64)[:, None], d.tables, x)
+        return self._windows(WindowsWork(np.array(rows, dtype=np.int64)[:, None], d.tables), x)
 
     def _windows(self, w: WindowsWork, x: torch.Tensor | None) -> torch.Tensor:
-        """The verify windows' streams after this stage's layers [W*B, nH] (x: the previous stage's)."""
+        """Streams after this stage's layers [W*B, nH] of W steps of B rows (verify windows, or a decode
+        item as W = 1; x: the previous stage's)."""
         _, W, B = w.inputs.shape
         if self.graphs is None or not self.graphs.fits(B, W):
             return self.window_streams(w.inputs, w.tables, x)

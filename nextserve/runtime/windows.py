@@ -3,6 +3,8 @@ which rows of verify windows are accepted (engine/speculative.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -45,8 +47,8 @@ def window_inputs(chunks: list[Chunk], W: int, states: StateSlots) -> tuple[np.n
 
 def accept_windows(
     chunks: list[Chunk], logits: torch.Tensor, top: torch.Tensor | None
-) -> list[list[tuple[int, TokenLogprob | None]] | str]:
-    """Each window's sampled rows (sample_window), or the error that ends its request. Plain greedy
+) -> list[list[tuple[int, TokenLogprob | None]] | Exception]:
+    """Each window's sampled rows (sample_window), or the exception that ends its request. Plain greedy
     windows read the argmax of their rows, the others move their rows to the CPU sampler."""
     plain = [b for b, ch in enumerate(chunks) if plain_greedy(ch)]
     rest = [b for b, ch in enumerate(chunks) if not plain_greedy(ch)]
@@ -54,26 +56,27 @@ def accept_windows(
     rows = logits[:, rest].float().cpu() if rest else None  # [W, R, V]
     out: list = [None] * len(chunks)
     for b in plain:
-        ch, got = chunks[b], []
-        for j in range(len(ch.drafts) + 1):
-            got.append((tops[j][b], None))
-            if j == len(ch.drafts) or got[-1][0] != ch.drafts[j]:
-                break
-        out[b] = got
+        out[b] = sample_window(chunks[b], lambda j, b=b: (tops[j][b], None))
     for i, b in enumerate(rest):
+        seq = chunks[b].seq
         try:
-            out[b] = sample_window(rows[: len(chunks[b].drafts) + 1, i], chunks[b])
+            out[b] = sample_window(
+                chunks[b], lambda j, i=i, s=seq: sample_row(rows[j, i], s.params, s.generator)
+            )
         except Exception as exc:  # noqa: BLE001 - that request only
-            out[b] = f"{type(exc).__name__}: {exc}"
+            out[b] = exc
     return out
 
 
-def sample_window(logits: torch.Tensor, ch: Chunk) -> list[tuple[int, TokenLogprob | None]]:
-    """A verify window's rows [1 + k, V] sampled in order with the request's own sampler, up to the
-    first sampled token that differs from its draft (kept too: it is the next token), or all of them."""
-    seq, sampled = ch.seq, []
-    for j in range(logits.shape[0]):
-        sampled.append(sample_row(logits[j], seq.params, seq.generator))
+def sample_window(
+    ch: Chunk, sample: Callable[[int], tuple[int, TokenLogprob | None]]
+) -> list[tuple[int, TokenLogprob | None]]:
+    """A verify window's rows sampled in order (`sample(j)`: row j's token as the request's own sampler
+    picks it), up to the first sampled token that differs from its draft (kept too: it is the next
+    token), or all 1 + k of them."""
+    sampled = []
+    for j in range(len(ch.drafts) + 1):
+        sampled.append(sample(j))
         if j == len(ch.drafts) or sampled[-1][0] != ch.drafts[j]:
             break
     return sampled

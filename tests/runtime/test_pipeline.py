@@ -350,19 +350,19 @@ def test_auto_kv_capacity_counts_every_stages_weights_and_slots(oracle_config, m
     """With stages on GPUs, --kv-capacity auto is sized before any stage loads its weights: from stage 0's
     free memory less each GPU's stages' weights and state slots, per token of the KV planes they hold."""
     import math
-    from types import SimpleNamespace
 
+    from nextserve.cache.kv_pool import kv_bytes_per_token
     from nextserve.cache.states import KindRange, StateSlots
-    from nextserve.engine.engine import LLMEngine, _in_stage, kv_bytes_per_token
     from nextserve.model.loader import expected_shapes
+    from nextserve.runtime.pipeline import StageNeeds
+    from nextserve.runtime.pipeline import in_stage as _in_stage
 
     cfg, dtype = oracle_config, torch.bfloat16
     ranges = stage_layers(cfg.num_hidden_layers, 2)
     shapes = expected_shapes(cfg)
     owners = {name: [r for r in ranges if _in_stage(name, r, cfg)] for name in shapes}
     assert all(len(o) == 1 for o in owners.values())  # every tensor is loaded by exactly one stage
-    config = EngineConfig(model="unused", max_concurrency=2, memory_headroom_mib=1, kv_capacity="auto")
-    eng = SimpleNamespace(model_config=cfg, config=config, dtype=dtype, device=torch.device("cuda", 0))
+    needs = StageNeeds(cfg, dtype, num_slots=2, window_steps=3)  # --max-concurrency 2, 3 keep slots
 
     def need(r: range) -> tuple[int, int]:
         weights = sum(math.prod(s) for n, s in shapes.items() if _in_stage(n, r, cfg)) * 2
@@ -375,7 +375,7 @@ def test_auto_kv_capacity_counts_every_stages_weights_and_slots(oracle_config, m
     (n0, t0), (n1, t1) = need(ranges[0]), need(ranges[1])
     budget = free - 2**20
     two_gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    got = LLMEngine._stage_kv_tokens(eng, ranges, two_gpus, 3)
+    got = needs.kv_tokens(ranges, two_gpus, 2**20)  # --memory-headroom-mib 1
     assert got == min((budget - n0) // t0, (budget - n1) // t1)
     one_gpu = [torch.device("cuda", 0)] * 2  # both stages share one GPU: their needs add up
-    assert LLMEngine._stage_kv_tokens(eng, ranges, one_gpu, 3) == (budget - n0 - n1) // (t0 + t1)
+    assert needs.kv_tokens(ranges, one_gpu, 2**20) == (budget - n0 - n1) // (t0 + t1)
