@@ -50,6 +50,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "
     "the previous one's end (sm_90+ GPUs; same outputs either way; --no-pdl turns it off)",
+    "async_scheduling": "launch each step of greedy decodes (no logprobs, no grammar, not speculating, one "
+    "process) before reading the previous step's tokens, which stay on the device, so the GPU never "
+    "waits for the host between steps (same outputs either way; --no-async-scheduling turns it off)",
 }
 
 

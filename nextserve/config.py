@@ -276,6 +276,7 @@ class EngineConfig:
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
     cuda_graph: bool = True  # replay decode steps and verify windows as CUDA graphs (GPU only)
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
+    async_scheduling: bool = True  # launch a greedy decode step before reading the previous one's tokens
     speculative_method: str = "off"  # "ngram" (prompt lookup) or "mtp" (the MTP block): drafts to verify
     speculative_tokens: int = 4  # draft tokens per verify window at most
     pipeline_stages: int = 1  # processes the layers are split across, one device each
@@ -311,7 +312,7 @@ class EngineConfig:
             )
         if not isinstance(self.speculative_tokens, int) or not 1 <= self.speculative_tokens <= 32:
             raise ConfigError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens!r}")
-        for name in ("cuda_graph", "pdl"):
+        for name in ("cuda_graph", "pdl", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:

@@ -99,10 +99,11 @@ def oracle_llm(oracle_model_dir):
 @pytest.fixture(scope="session")
 def solo_run(oracle_llm):
     """The serial reference: solo_run(prompt_ids, params, **flags) runs one request alone on a fresh
-    one-at-a-time engine (max_concurrency 1) and returns its RequestOutput."""
+    one-at-a-time, synchronous engine (max_concurrency 1, no async scheduling) and returns its
+    RequestOutput."""
 
     def run(prompt, params, **flags):
-        llm = oracle_llm(**(flags | {"max_concurrency": 1}))
+        llm = oracle_llm(**(flags | {"max_concurrency": 1, "async_scheduling": False}))
         (out,) = llm.generate([list(prompt)], params)
         stats = llm.stats()
         assert stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -85,7 +85,9 @@ def check_window_rows(model_dir, flags: dict, k: int = 6) -> None:
     """Each row of a verify window of k rows after the second prompt equals serial decode's logits."""
     prompt = spec_prompts()[1]
     params = SamplingParams(max_tokens=k + 1, temperature=0.0, ignore_eos=True)
-    serial = LLMEngine(EngineConfig(model=str(model_dir), **flags))
+    serial = LLMEngine(
+        EngineConfig(model=str(model_dir), **flags, async_scheduling=False)
+    )  # decode_logits hooked
     steps = []
     decode = serial.runner.decode_logits
     serial.runner.decode_logits = lambda chunks: steps.append(decode(chunks)[0].clone()) or (steps[-1], None)
@@ -147,7 +149,9 @@ def check_window_batch(model_dir, flags: dict, k: int = 5, graph: bool = False) 
 
     prompts = spec_prompts()
     params = SamplingParams(max_tokens=k + 8, temperature=0.0, ignore_eos=True)
-    serial = LLMEngine(EngineConfig(model=str(model_dir), **flags))
+    serial = LLMEngine(
+        EngineConfig(model=str(model_dir), **flags, async_scheduling=False)
+    )  # decode_logits hooked
     logits, states = {}, {}  # request id -> per decode step: logits [V], target state after it
     decode = serial.runner.decode_logits
 

@@ -24,6 +24,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def test_bench_at_concurrency_one_only(capsys, one_thread) -> None:
+    """--concurrency 1 alone: the warm-up asks no more requests than the engine runs at once (it asked
+    two, and the second waited, which the decode check took for a stalled step)."""
+    argv = [
+        "bench", "--device", "cpu", "--preset", "tiny", "--prompt-lens", "16", "--concurrency", "1",
+        "--decode-steps", "2", "--decode-prompt-len", "8", "--copy-mib", "8", "--no-transformers",
+        "--no-profile", "--no-async-scheduling",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["engine"]["async_scheduling"] is False
+    assert [r["concurrency"] for r in res["nextserve"]["decode"]] == [1]
+
+
 def test_bench_cli_tiny_cpu_prints_json(capsys, tmp_path, one_thread) -> None:
     out_file = tmp_path / "bench.json"
     argv = [

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="programmatic dependent launch of nextserve's kernels (the engine's --pdl)",
     )  # fmt: skip
     p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="launch each decode step before reading the previous one's tokens (the engine's flag)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile", action=argparse.BooleanOptionalAction, default=True, help="profile one decode step"
     )
     p.add_argument(
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     engine_flags = dict(
         prefill_chunk=args.prefill_chunk, max_concurrency=max_conc, kv_capacity=capacity,
         max_context=capacity, page_size=args.page_size, max_pending=max(256, max_conc),
-        cuda_graph=args.cuda_graph, pdl=args.pdl,
+        cuda_graph=args.cuda_graph, pdl=args.pdl, async_scheduling=args.async_scheduling,
     )  # fmt: skip
 
     def nextserve_engine():
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         built = time.perf_counter() - t
         engine = engine_for_model(model, device, dtype, **engine_flags)
         log(f"nextserve model built in {built:.1f} s; warm-up")
-        ns_decode(engine, [random_prompt(rng, V, warm_len) for _ in range(2)], 2, meter)
+        # NOTE: at most max_concurrency warm-up requests: a waiting one would not decode every step
+        ns_decode(engine, [random_prompt(rng, V, warm_len) for _ in range(min(2, max_conc))], 2, meter)
         return model, engine, built
 
     rng = torch.Generator().manual_seed(args.seed + 1)

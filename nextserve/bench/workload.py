@@ -79,10 +79,12 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
     before = [len(s.output_ids) for s in seqs]
     step_s = []
     with Window(device, meter) as w:
+        # NOTE: no device sync per step: with async scheduling a step returns while the GPU runs the
+        # next one (the window syncs at its ends); a step's wall time then ends when it has read the
+        # previous step's tokens
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
-            sync(device)
             step_s.append(time.perf_counter() - t0)
     made = [len(s.output_ids) - b for s, b in zip(seqs, before, strict=True)]
     # Context of each request at the middle of the window (early ones decoded while others prefilled).

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..model.batch import DecodeBatch, KVView, WindowBatch
+from ..ops.tokens import resolve_pending_ids
 from .kv_pool import KVPool
 from .states import StateSlots
 
@@ -125,15 +126,19 @@ def window_batch(
     B: int,
     keep: bool = True,
     gather: bool | None = None,
+    pending: torch.Tensor | None = None,
 ) -> WindowBatch:
     """The WindowBatch of W steps of B rows over device tensors: meta [5, >= W*B] int64 (ids, positions,
     slots, keep slots, table rows; row j*B + b is sequence b's j-th token), table [rows, max_pages] int32.
     W = 1 is a decode step: its rows read table[:B] directly (unless `gather`: rows whose table row may
-    be padding's) and keep nothing; `keep` False: no step keeps its state (MTP rows).
+    be padding's) and keep nothing; `keep` False: no step keeps its state (MTP rows). `pending`: the
+    previous decode step's sampled tokens on the device, which ids of -(1 + r) name (ops/tokens.py).
 
     # NOTE: each step's block table is a gather of `table` rows (a window's padding rows read a row of
     # scratch pages, so the table goes to the device once, not once per step); only steps 0 .. W-2 keep
     # their state: the last one's is the slot's own."""
+    if pending is not None:
+        resolve_pending_ids(meta[0, : W * B], pending)
     steps = []
     for j in range(W):
         r = slice(j * B, (j + 1) * B)
@@ -153,6 +158,7 @@ def eager_window(
     device: torch.device,
     keep: bool = True,
     gather: bool | None = None,
+    pending: torch.Tensor | None = None,
 ) -> WindowBatch:
     """window_batch over host inputs [5, W, B] (fill_window) laid out for exactly their B rows and moved
     to `device`: a window run eagerly, without a graph's static buffers."""
@@ -161,4 +167,4 @@ def eager_window(
     table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
     fill_window(meta, table, inputs, tables, B, states.scratch_slot, pool.scratch_page)
     meta_t, table_t = torch.from_numpy(meta).to(device), torch.from_numpy(table).to(device)
-    return window_batch(pool, states, meta_t, table_t, W, B, keep, gather)
+    return window_batch(pool, states, meta_t, table_t, W, B, keep, gather, pending)

@@ -4,55 +4,29 @@ from __future__ import annotations
 
 import logging
 import random
-from pathlib import Path
 
 import torch
 
 from ..cache.host_store import HostImageStore
-from ..cache.kv_pool import KVPool, PoolExhausted, kv_bytes_per_token
+from ..cache.kv_pool import KVPool, PoolExhausted
 from ..cache.prefix import PrefixCache
-from ..cache.states import KindRange, StateSlots
+from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import load_weights
-from ..ops.triton.common import pdl_mode
-from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
-from ..runtime.pipeline import PipelineRunner, StageNeeds, build_stage, stage_layers
-from ..runtime.runner import ChunkResult, ModelRunner
+from ..runtime.pipeline import PipelineRunner, build_stage
+from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
+from ..runtime.windows import plain_greedy
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
 from .sampling import SamplingParams, TokenConstraint
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
+from .setup import capture_graphs, check_pipeline, check_state_memory, kv_capacity, load_model, load_tokenizer
 from .speculative import MtpProposer, NgramProposer
 from .validate import check_prompt
 
 log = logging.getLogger("nextserve.engine")
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The directory's tokenizer (and chat template), or None when it ships none."""
-    if (
-        not (Path(model_dir) / "tokenizer.json").is_file()
-        and not (Path(model_dir) / "tokenizer_config.json").is_file()
-    ):
-        return None
-    from transformers import PreTrainedTokenizerFast
-
-    # NOTE: not AutoTokenizer: it also parses config.json, and transformers releases disagree on
-    # qwen4_exp layer-type names (5.17 rejects a 5.23 config), which must not stop a tokenizer load.
-    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-
-
-def load_model(config: EngineConfig, cfg: ModelConfig) -> FlashNext:
-    """The directory's weights in a FlashNext on the configured device and dtype."""
-    device, dtype = config.torch_device(), config.torch_dtype()
-    weights = load_weights(Path(config.model), cfg, dtype=dtype, device=device)
-    with torch.device(device):
-        model = FlashNext(cfg).to(dtype)
-    model.load_state_dict(weights, strict=True)
-    return model.eval()
 
 
 class LLMEngine:
@@ -69,7 +43,7 @@ class LLMEngine:
             self.model_config, self.tokenizer = (cfg := model.cfg), None
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
         if stages > 1:
-            ranges, devices = self._check_pipeline(model)
+            ranges, devices = check_pipeline(config, cfg, self.device, model)
             self.device = devices[0]  # stage 0's, where the driver samples
         # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
         steps = config.speculative_tokens if config.speculative_method != "off" else 0
@@ -84,11 +58,12 @@ class LLMEngine:
                         "speculative_method mtp loads the MTP block from --model; pass no model"
                     )
                 mtp = load_mtp(config.model, cfg, self.dtype, self.device)  # ConfigError without mtp.*
-            self._check_state_memory(cfg, n_attn, steps)
+            check_state_memory(config, cfg, self.device, self.dtype, n_attn, steps)
             self.slots = StateSlots(
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
             )
-        capacity = self._kv_capacity(n_attn, (ranges, devices, steps) if stages > 1 else None)
+        stage_plan = (ranges, devices, steps) if stages > 1 else None
+        capacity = kv_capacity(config, cfg, self.device, self.dtype, n_attn, stage_plan)
         self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
         if config.max_context is not None and config.max_context > capacity:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
@@ -131,100 +106,20 @@ class LLMEngine:
             self.runner = ModelRunner(
                 self.model, self.device, self.pool, self.slots, None, config.pdl,
                 mtp=mtp, draft_tokens=config.speculative_tokens,
+                max_rows=config.max_concurrency * (1 + steps),
             )  # fmt: skip
             if self.device.type == "cuda" and config.cuda_graph:  # (stages capture their own)
-                self._capture_graphs()
+                capture_graphs(config, self.model, self.pool, self.slots, self.runner, self.max_context)
         self.sequences: dict[str, Sequence] = {}
+        self._launched: LaunchedStep | None = None  # a decode step whose tokens the host has not read
         self._rng = random.Random(config.seed)
         self._next_id = 0
-
-    def _capture_graphs(self) -> None:
-        """Capture the decode steps, verify windows and MTP drafter windows (runtime/graph_runner.py)."""
-        c, runner = self.config, self.runner
-        graphs = GraphRunner(
-            self.model, self.pool, self.slots, self.pool.pages_for(self.max_context), c.max_concurrency,
-            max_drafts=c.speculative_tokens if c.speculative_method != "off" else 0, drafter=runner.drafter,
-        )  # fmt: skip
-        with pdl_mode(c.pdl):  # the graphs hold the launches as captured
-            graphs.capture()
-        runner.graphs = graphs
-        if runner.drafter is not None:
-            runner.drafter.graphs = graphs
-
-    def _check_pipeline(self, model: FlashNext | None) -> tuple[list[range], list[torch.device]]:
-        """The stages' layer ranges and devices, or a ConfigError for what pipelines do not run (yet)."""
-        c, L = self.config, self.model_config.num_hidden_layers
-        if model is not None:
-            raise ConfigError("pipeline stages load their own layers' weights from --model")
-        if c.speculative_method == "mtp":
-            raise ConfigError("pipeline stages do not run with MTP speculation yet (CPU or GPU)")
-        if c.pipeline_stages > L:
-            raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
-        devices = c.stage_devices()
-        if self.device.type == "cpu":
-            if c.stage_transport == "nccl" or c.pipeline_devices is not None:
-                raise ConfigError(
-                    "on the CPU backend pipeline stages talk over Gloo (stage_transport host), with no "
-                    "pipeline_devices: those are for CUDA devices"
-                )
-        elif self.device.type == "cuda":
-            count = torch.cuda.device_count()
-            if any(d.index >= count for d in devices):
-                raise ConfigError(
-                    f"pipeline stages on {', '.join(map(str, devices))}, but this machine has {count} "
-                    "CUDA devices (see --pipeline-devices)"
-                )
-            if c.stage_transport_kind() == "nccl" and not torch.distributed.is_nccl_available():
-                raise ConfigError("this torch build has no NCCL: use --stage-transport host")
-        else:
-            raise ConfigError(f"pipeline stages run on the CPU or on CUDA devices, not {self.device.type}")
-        return stage_layers(L, c.pipeline_stages), devices
 
     def close(self) -> None:
         """Stop what the engine started beside it (pipeline stage processes); idempotent."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
-
-    def _check_state_memory(self, cfg: ModelConfig, n_attn: int, steps: int) -> None:
-        """A ConfigError, not an out-of-memory error, when the state slots do not fit on the GPU."""
-        if self.device.type != "cuda":
-            return
-        c = self.config
-        kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
-        need = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + c.max_concurrency * (1 + steps))
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if need > free - c.memory_headroom_mib * 2**20:
-            raise ConfigError(
-                f"the state slots need {need / 2**20:.0f} MiB ({c.max_concurrency} sequences"
-                + (f", {steps} keep slots each for speculative_tokens" if steps else "")
-                + f") and {free / 2**20:.0f} MiB are free; lower --max-concurrency"
-                + (" or --speculative-tokens" if steps else "")
-            )
-
-    def _kv_capacity(self, n_attn: int, stages: tuple | None = None) -> int:
-        """Tokens of the KV pool: kv_capacity, or with "auto" what the free memory holds (on the CPU,
-        cpu_kv_budget_mib). `stages`: (layer ranges, devices, keep slots per slot) of pipeline stages, whose
-        weights and state slots are not loaded yet (stage_kv_tokens)."""
-        cap, cfg = self.config.kv_capacity, self.model_config
-        if cap != "auto":
-            return int(cap)
-        if self.device.type == "cuda" and stages is not None:
-            ranges, devices, steps = stages
-            need = StageNeeds(self.model_config, self.dtype, self.config.max_concurrency, steps)
-            tokens = need.kv_tokens(ranges, devices, self.config.memory_headroom_mib * 2**20)
-        elif self.device.type == "cuda":  # one process: the weights and slots are in already
-            free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = (free - self.config.memory_headroom_mib * 2**20) // kv_bytes_per_token(
-                cfg, n_attn, self.dtype
-            )
-        else:
-            tokens = self.config.cpu_kv_budget_mib * 2**20 // kv_bytes_per_token(cfg, n_attn, self.dtype)
-        if tokens < self.config.page_size:
-            raise ConfigError(
-                "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
-            )
-        return int(min(tokens, self.config.max_concurrency * cfg.max_position_embeddings))
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -308,13 +203,81 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that changed (finished ones are then forgotten)."""
+        """One engine step; returns the requests that changed (finished ones are then forgotten).
+
+        # NOTE: async scheduling. A step of plain greedy decodes is launched, then the host reads the
+        # previous launched step's tokens while the GPU runs it: the GPU never waits for the host's
+        # bookkeeping. A sequence's token still on the device is named by its row (Sequence.pending),
+        # and resolved on the device. A sequence that the previous step finished (a stop token, a stop
+        # string) has one wasted row in the step launched meanwhile: its token is dropped, and its slot
+        # and pages are reused only by work queued after that step. Any other step first reads the
+        # previous one's tokens and then runs as before, so the tokens are the same either way (C1)."""
         plan = self.scheduler.schedule()
-        if plan.empty:
-            return self.drain_finished([])
-        results = self.runner.execute(plan)
-        self.update(results)
-        return self.drain_finished([c.seq for c in plan.chunks])
+        launched, self._launched = self._launched, None
+        touched: list[Sequence] = []
+        if self._overlaps(plan):
+            touched += self._launch(plan.decodes)
+            plan = StepPlan()
+        if launched is not None:
+            touched += self._collect(launched)
+            plan = plan.running()  # without the chunks of sequences the collected tokens finished
+        if not plan.empty:
+            results = self.runner.execute(plan)
+            self.update(results)
+            touched += [c.seq for c in plan.chunks]
+        return self.drain_finished(touched)
+
+    def _overlaps(self, plan: StepPlan) -> bool:
+        """Whether `plan` is launched without waiting for its tokens: plain greedy decodes only, in one
+        process, not speculating."""
+        return (
+            self.config.async_scheduling
+            and bool(plan.decodes)
+            and not plan.prefills
+            and not plan.verifies
+            and self.config.pipeline_stages == 1
+            and self.runner.drafter is None
+            and self.scheduler.proposer is None
+            and all(plain_greedy(ch) for ch in plan.decodes)
+        )
+
+    def _launch(self, chunks: list) -> list[Sequence]:
+        """Launch a decode step and count its rows computed (their tokens pending); the sequences that
+        failed (C2: that step's only)."""
+        try:
+            self._launched = self.runner.launch_decode(chunks)
+        except Exception as exc:  # noqa: BLE001 - those requests only
+            log.exception("decode step failed")
+            for ch in chunks:
+                self.scheduler.finish(ch.seq, "error", f"{type(exc).__name__}: {exc}")
+            return [ch.seq for ch in chunks]
+        for b, ch in enumerate(chunks):
+            ch.seq.num_computed = ch.seq.cache.length = ch.end
+            ch.seq.pending.append(b)
+        return []
+
+    def _collect(self, launched: LaunchedStep) -> list[Sequence]:
+        """Append a launched step's tokens to its sequences that still run."""
+        seqs = [ch.seq for ch in launched.chunks]
+        try:
+            tokens = launched.tokens()
+        except Exception as exc:  # noqa: BLE001 - that step's requests only
+            log.exception("decode step failed")
+            for seq in seqs:
+                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return seqs
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.finished:  # aborted, or finished by the step before, while this one ran
+                continue
+            seq.pending.pop(0)
+            try:
+                self._append(seq, token, None)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("update of %s failed", seq.request_id)
+                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            if seq.finished:
+                seq.pending.clear()
+        return seqs
 
     def update(self, results: list[ChunkResult]) -> None:
         """Commit what each chunk computed. An error ends that chunk's request only (C2)."""
@@ -389,7 +352,7 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     def clear_prefix_cache(self) -> None:
         """Drop every stored prefix image (their pages return to the pool unless a sequence uses them)."""

@@ -41,6 +41,14 @@ class StepPlan:
     def chunks(self) -> list[Chunk]:
         return self.prefills + self.decodes + self.verifies
 
+    def running(self) -> StepPlan:
+        """This plan without the chunks of sequences that finished since it was made."""
+
+        def keep(chunks: list[Chunk]) -> list[Chunk]:
+            return [ch for ch in chunks if not ch.seq.finished]
+
+        return StepPlan(keep(self.prefills), keep(self.decodes), keep(self.verifies))
+
 
 class Scheduler:
     def __init__(
@@ -105,6 +113,10 @@ class Scheduler:
                     start = seq.num_computed
                     end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(seq.prompt_ids))
                     plan.prefills.append(Chunk(seq, start, end, sample=end == len(seq.prompt_ids)))
+            elif seq.num_computed >= seq.token_budget() - 1:
+                # NOTE: only with async scheduling: its last token is still on the device (pending) and
+                # ends it by length; a sequence whose tokens are all read ends before this
+                continue
             elif drafts := self._drafts(seq):
                 start = seq.num_computed
                 plan.verifies.append(Chunk(seq, start, start + 1 + len(drafts), sample=True, drafts=drafts))

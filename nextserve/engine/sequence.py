@@ -39,6 +39,9 @@ class Sequence:
     detokenizer: Detokenizer | None = None
     image_points: frozenset[int] = frozenset()  # prompt positions to keep prefix images at
     drafts: tuple[int, ...] = ()  # the MTP block's drafts after the last token (engine/speculative.py)
+    # rows of launched decode steps whose tokens follow output_ids but are still on the device
+    # (async scheduling, engine/engine.py): the token at num_tokens + i is the i-th one's
+    pending: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -48,7 +51,12 @@ class Sequence:
         """The token at `position` (prompt, then output) without building all_ids: a decode step
         reads one token per row, and all_ids costs O(context) per call."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+        if position < n:
+            return self.prompt_ids[position]
+        i = position - n
+        if i < len(self.output_ids):
+            return self.output_ids[i]
+        return -1 - self.pending[i - len(self.output_ids)]  # named by its row (ops/tokens.py)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start .. end-1 (a prefill chunk) without copying the whole context."""

@@ -63,13 +63,17 @@ class GraphRunner:
         max_drafts: int = 0,
         drafter: MtpDrafter | None = None,
         logits: bool = True,
+        tokens: torch.Tensor | None = None,
     ) -> None:
         """`drafter`: also capture its window graphs (MTP rows of committed window rows and the chains
         after them, per (rows per sequence, bucket)). A pipeline stage's model (not the first) reads the
         previous stage's streams from a static buffer that `replay` fills; `logits` False: the graphs end
-        with the streams (a stage's, whose driver samples)."""
+        with the streams (a stage's, whose driver samples). `tokens` [>= max_rows * (1 + max_drafts)]
+        int64: where every graph writes its rows' argmax, and whose entries ids of -(1 + r) name (a step
+        launched before the host read the previous one's tokens: ModelRunner.launch_decode)."""
         self.model, self.pool, self.states, self.drafter = model, pool, states, drafter
         self.logits = logits and model.is_last
+        self.tokens = tokens
         self.buckets = bucket_sizes(max_rows)
         self.windows = window_sizes(max_drafts)
         G = self.buckets[-1]
@@ -153,12 +157,14 @@ class GraphRunner:
     def _step(self, W: int, G: int) -> tuple[torch.Tensor, ...]:
         """(streams [W*G, nH], logits [W*G, V], argmax [W*G]) of W steps of G rows (streams only without
         logits)."""
-        batch = window_batch(self.pool, self.states, self.meta, self.table, W, G)
+        batch = window_batch(self.pool, self.states, self.meta, self.table, W, G, pending=self.tokens)
         streams = self.model.window(batch, None if self.x_in is None else self.x_in[: W * G])
         if not self.logits:
             return (streams,)
         logits = self.model.logits(streams, row_invariant=True)
-        return streams, logits, logits.argmax(dim=-1)
+        if self.tokens is None:
+            return streams, logits, logits.argmax(dim=-1)
+        return streams, logits, torch.argmax(logits, dim=-1, out=self.tokens[: W * G])
 
     def replay(
         self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None

@@ -40,6 +40,22 @@ class ChunkResult:
     drafts: tuple[int, ...] = ()  # the MTP block's drafts for the sequence's next window
 
 
+@dataclass
+class LaunchedStep:
+    """A decode step of plain greedy rows launched without waiting for its tokens (async scheduling):
+    row b's token arrives in host[b] once `done` has passed (on the CPU at once)."""
+
+    chunks: list[Chunk]
+    host: torch.Tensor  # [>= B] int64 (pinned on CUDA)
+    done: torch.cuda.Event | None
+
+    def tokens(self) -> list[int]:
+        """The rows' tokens (waits for the step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[: len(self.chunks)].tolist()
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -55,14 +71,22 @@ class ModelRunner:
         pdl: bool = False,
         mtp: MTP | None = None,
         draft_tokens: int = 0,
+        max_rows: int = 1,
     ) -> None:
         """`mtp`: the MTP block, to chain up to `draft_tokens` drafts after each step (speculative
-        method mtp)."""
+        method mtp). `max_rows`: the most rows of a step (sequences x rows per window)."""
         self.model, self.device, self.pool, self.states, self.graphs = model, device, pool, states, graphs
         self.pdl = pdl
         self.drafter = None
         if mtp is not None:
             self.drafter = MtpDrafter(model, mtp, states, draft_tokens, pool)
+        # NOTE: every decode step's argmax lands in `tokens` (a graph writes all its rows there), which a
+        # step launched before the host read them names by row (launch_decode); two host buffers, so the
+        # next launched step's copy never lands where the host still reads the previous one's.
+        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        self._host_tokens = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._launches = 0
 
     def window_inputs(self, chunks: list[Chunk], W: int) -> tuple[np.ndarray, list[list[int]]]:
         """Host inputs of one step of `chunks` W rows each (runtime/windows.py)."""
@@ -82,11 +106,39 @@ class ModelRunner:
         return streams.view(W, B, -1), logits.view(W, B, -1), None
 
     def window_streams(
-        self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None
+        self,
+        inputs: np.ndarray,
+        tables: list[list[int]],
+        x: torch.Tensor | None = None,
+        pending: bool = False,
     ) -> torch.Tensor:
         """W steps of B rows (window_inputs) run eagerly: streams [W*B, nH] after the model's layers (x
-        [W*B, nH]: the previous pipeline stage's)."""
-        return self.model.window(eager_window(self.pool, self.states, inputs, tables, self.device), x)
+        [W*B, nH]: the previous pipeline stage's; `pending`: ids may name the previous step's tokens)."""
+        tokens = self.tokens if pending else None
+        batch = eager_window(self.pool, self.states, inputs, tables, self.device, pending=tokens)
+        return self.model.window(batch, x)
+
+    def launch_decode(self, chunks: list[Chunk]) -> LaunchedStep:
+        """One decode step of plain greedy `chunks`, launched without waiting for its tokens. A chunk's
+        last token may still be on the device: the previous launched step's row r, named -(1 + r) by the
+        sequence (Sequence.pending)."""
+        with pdl_mode(self.pdl), torch.inference_mode():
+            inputs, tables = self.window_inputs(chunks, 1)
+            B = len(chunks)
+            if self.graphs is not None and self.graphs.fits(B):
+                self.graphs.replay(inputs, tables)  # its argmax lands in self.tokens
+            else:
+                streams = self.window_streams(inputs, tables, pending=True)
+                logits = self.model.logits(streams, row_invariant=True)
+                torch.argmax(logits, dim=-1, out=self.tokens[:B])
+            host = self._host_tokens[self._launches % 2]
+            self._launches += 1
+            host[:B].copy_(self.tokens[:B], non_blocking=True)
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        return LaunchedStep(list(chunks), host, done)
 
     def decode_logits(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, V] of one decode step of `chunks` (one token each, distinct sequences), and their

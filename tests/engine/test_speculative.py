@@ -123,12 +123,11 @@ def test_speculation_with_prefix_reuse(small_model_dir) -> None:
 def test_state_slots_that_do_not_fit_are_a_config_error(oracle_config, monkeypatch) -> None:
     """On a GPU the keep slots of speculation (speculative_tokens per sequence) are counted before they are
     allocated: too many are a ConfigError naming the flags to lower, not an out-of-memory crash."""
-    from types import SimpleNamespace
 
     import torch
 
     from nextserve.cache.states import KindRange, StateSlots
-    from nextserve.engine.engine import LLMEngine
+    from nextserve.engine.setup import check_state_memory
 
     n_attn = len(oracle_config.qsa_layers) + 1
     kinds = KindRange(
@@ -136,12 +135,12 @@ def test_state_slots_that_do_not_fit_are_a_config_error(oracle_config, monkeypat
     )
     per_slot = StateSlots.slot_bytes(oracle_config, kinds, torch.float32)
     config = EngineConfig(model="unused", max_concurrency=8, memory_headroom_mib=0)
-    eng = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, config=config)
     need = per_slot * (1 + 8 * (1 + 4))
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need, 10 * need))
-    LLMEngine._check_state_memory(eng, oracle_config, n_attn, 4)  # fits exactly
+    check_state_memory(config, oracle_config, cuda, torch.float32, n_attn, 4)  # fits exactly
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need - 1, 10 * need))
     with pytest.raises(ConfigError, match="lower --max-concurrency or --speculative-tokens"):
-        LLMEngine._check_state_memory(eng, oracle_config, n_attn, 4)
-    eng.device = torch.device("cpu")  # the CPU's budget is --cpu-kv-budget-mib's business
-    LLMEngine._check_state_memory(eng, oracle_config, n_attn, 4)
+        check_state_memory(config, oracle_config, cuda, torch.float32, n_attn, 4)
+    # the CPU's budget is --cpu-kv-budget-mib's business
+    check_state_memory(config, oracle_config, torch.device("cpu"), torch.float32, n_attn, 4)

@@ -43,3 +43,36 @@ def test_cuda_float32_logits_close_to_cpu(tiny_model_dir) -> None:
     assert cpu.token_ids == gpu.token_ids
     for (ti, a), (tj, b) in zip(cpu.logprobs[0].top, gpu.logprobs[0].top, strict=True):
         assert ti == tj and abs(a - b) < 1e-3
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_async_scheduling_equals_sync_on_cuda(tiny_model_dir, graph: bool) -> None:
+    """Steps launched before the previous one's tokens are read (pending ids resolved on the device, in
+    the graphs or eagerly) give the synchronous engine's outputs; requests end by stop token, stop string
+    and max_tokens while a step is in flight, and sampled requests force synchronous steps between."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(8, 500, (n,), generator=g).tolist() for n in (3, 17, 40, 64, 90, 120, 9, 33)]
+    max_tokens = (5, 60, 1, 33, 48, 2, 60, 17)
+    params = [
+        SamplingParams(
+            max_tokens=m, temperature=0.0, ignore_eos=i % 2 == 0, stop_token_ids=[7, 8, 9] * (i == 3)
+        )
+        for i, m in enumerate(max_tokens)
+    ]
+    params[6] = SamplingParams(max_tokens=20, temperature=0.9, seed=3)
+    params[7] = SamplingParams(max_tokens=30, temperature=0.0, stop=["a"])
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=8192,
+                 max_context=1024, max_concurrency=4, cuda_graph=graph)  # fmt: skip
+    outs = {}
+    for on in (True, False):
+        llm = LLM(tiny_model_dir, async_scheduling=on, **flags)
+        outs[on] = llm.generate(prompts, params)
+        assert (llm.engine.runner._launches > 20) == on
+        s = llm.stats()
+        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.error is None and (a.token_ids, a.finish_reason, a.text) == (
+            b.token_ids,
+            b.finish_reason,
+            b.text,
+        )

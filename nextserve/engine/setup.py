@@ -1,0 +1,145 @@
+"""How an LLMEngine is set up: its tokenizer and weights, the checks of what fits (pipeline stages, state
+slots) and the KV pool's size, and the CUDA graphs it captures (engine/engine.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..cache.kv_pool import KVPool, kv_bytes_per_token
+from ..cache.states import KindRange, StateSlots
+from ..config import ConfigError, EngineConfig, ModelConfig
+from ..model.flash_next import FlashNext
+from ..model.loader import load_weights
+from ..ops.triton.common import pdl_mode
+from ..runtime.graph_runner import GraphRunner
+from ..runtime.pipeline import StageNeeds, stage_layers
+from ..runtime.runner import ModelRunner
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The directory's tokenizer (and chat template), or None when it ships none."""
+    if (
+        not (Path(model_dir) / "tokenizer.json").is_file()
+        and not (Path(model_dir) / "tokenizer_config.json").is_file()
+    ):
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    # NOTE: not AutoTokenizer: it also parses config.json, and transformers releases disagree on
+    # qwen4_exp layer-type names (5.17 rejects a 5.23 config), which must not stop a tokenizer load.
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+
+
+def load_model(config: EngineConfig, cfg: ModelConfig) -> FlashNext:
+    """The directory's weights in a FlashNext on the configured device and dtype."""
+    device, dtype = config.torch_device(), config.torch_dtype()
+    weights = load_weights(Path(config.model), cfg, dtype=dtype, device=device)
+    with torch.device(device):
+        model = FlashNext(cfg).to(dtype)
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+def capture_graphs(
+    config: EngineConfig,
+    model: FlashNext,
+    pool: KVPool,
+    slots: StateSlots,
+    runner: ModelRunner,
+    max_context: int,
+) -> None:
+    """Capture the decode steps, verify windows and MTP drafter windows (runtime/graph_runner.py)."""
+    c = config
+    graphs = GraphRunner(
+        model, pool, slots, pool.pages_for(max_context), c.max_concurrency,
+        max_drafts=c.speculative_tokens if c.speculative_method != "off" else 0, drafter=runner.drafter,
+        tokens=runner.tokens,
+    )  # fmt: skip
+    with pdl_mode(c.pdl):  # the graphs hold the launches as captured
+        graphs.capture()
+    runner.graphs = graphs
+    if runner.drafter is not None:
+        runner.drafter.graphs = graphs
+
+
+def check_pipeline(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, model: FlashNext | None
+) -> tuple[list[range], list[torch.device]]:
+    """The stages' layer ranges and devices, or a ConfigError for what pipelines do not run (yet)."""
+    c, L = config, cfg.num_hidden_layers
+    if model is not None:
+        raise ConfigError("pipeline stages load their own layers' weights from --model")
+    if c.speculative_method == "mtp":
+        raise ConfigError("pipeline stages do not run with MTP speculation yet (CPU or GPU)")
+    if c.pipeline_stages > L:
+        raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
+    devices = c.stage_devices()
+    if device.type == "cpu":
+        if c.stage_transport == "nccl" or c.pipeline_devices is not None:
+            raise ConfigError(
+                "on the CPU backend pipeline stages talk over Gloo (stage_transport host), with no "
+                "pipeline_devices: those are for CUDA devices"
+            )
+    elif device.type == "cuda":
+        count = torch.cuda.device_count()
+        if any(d.index >= count for d in devices):
+            raise ConfigError(
+                f"pipeline stages on {', '.join(map(str, devices))}, but this machine has {count} "
+                "CUDA devices (see --pipeline-devices)"
+            )
+        if c.stage_transport_kind() == "nccl" and not torch.distributed.is_nccl_available():
+            raise ConfigError("this torch build has no NCCL: use --stage-transport host")
+    else:
+        raise ConfigError(f"pipeline stages run on the CPU or on CUDA devices, not {device.type}")
+    return stage_layers(L, c.pipeline_stages), devices
+
+
+def check_state_memory(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, n_attn: int, steps: int
+) -> None:
+    """A ConfigError, not an out-of-memory error, when the state slots do not fit on the GPU."""
+    if device.type != "cuda":
+        return
+    c = config
+    kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
+    need = StateSlots.slot_bytes(cfg, kinds, dtype) * (1 + c.max_concurrency * (1 + steps))
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free - c.memory_headroom_mib * 2**20:
+        raise ConfigError(
+            f"the state slots need {need / 2**20:.0f} MiB ({c.max_concurrency} sequences"
+            + (f", {steps} keep slots each for speculative_tokens" if steps else "")
+            + f") and {free / 2**20:.0f} MiB are free; lower --max-concurrency"
+            + (" or --speculative-tokens" if steps else "")
+        )
+
+
+def kv_capacity(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    n_attn: int,
+    stages: tuple | None = None,
+) -> int:
+    """Tokens of the KV pool: kv_capacity, or with "auto" what the free memory holds (on the CPU,
+    cpu_kv_budget_mib). `stages`: (layer ranges, devices, keep slots per slot) of pipeline stages, whose
+    weights and state slots are not loaded yet (stage_kv_tokens)."""
+    cap = config.kv_capacity
+    if cap != "auto":
+        return int(cap)
+    if device.type == "cuda" and stages is not None:
+        ranges, devices, steps = stages
+        need = StageNeeds(cfg, dtype, config.max_concurrency, steps)
+        tokens = need.kv_tokens(ranges, devices, config.memory_headroom_mib * 2**20)
+    elif device.type == "cuda":  # one process: the weights and slots are in already
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = (free - config.memory_headroom_mib * 2**20) // kv_bytes_per_token(cfg, n_attn, dtype)
+    else:
+        tokens = config.cpu_kv_budget_mib * 2**20 // kv_bytes_per_token(cfg, n_attn, dtype)
+    if tokens < config.page_size:
+        raise ConfigError(
+            "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
+        )
+    return int(min(tokens, config.max_concurrency * cfg.max_position_embeddings))

@@ -1,0 +1,22 @@
+"""Token ids that a decode step reads from the device: with async scheduling (engine/engine.py) a step is
+launched before the host has read the previous step's sampled tokens, so its rows name them instead.
+
+# NOTE: a row's id is either a token (>= 0) or -(1 + r): the token the previous step sampled in its row r,
+# which is still on the device (`tokens`, the argmax buffer every decode step writes). Resolving reads
+# only that row, so a row's bits never depend on the rows beside it (C1).
+"""
+
+import torch
+
+from .triton import use_kernel
+
+
+def resolve_pending_ids(ids: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids [n] int64, in place: each -(1 + r) becomes tokens[r] (tokens [>= r + 1] int64)."""
+    if use_kernel(ids, tokens, dtypes=(torch.int64,)):
+        from .triton.tokens import triton_resolve_pending_ids
+
+        triton_resolve_pending_ids(ids, tokens)
+        return
+    src = (-1 - ids).clamp(min=0)
+    ids.copy_(torch.where(ids >= 0, ids, tokens[src]))
