@@ -4,8 +4,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.hyper import down_silu, inject, mix_streams, scaled_silu
-from ..ops.linear import linear
+from ..ops.hyper import down_silu, inject, scaled_silu, up_mix
 from ..ops.norms import rms_norm
 from .params import Weight, fuse_rows, project
 
@@ -37,8 +36,8 @@ class GatedResidual(nn.Module):
         else:
             down, v = project(xn, (self.input_mix_weight_down, self.block_inject_weight), None, ri)
             a = scaled_silu(down, self.n, ri)  # [T, r]
-        logits = linear(a, self.input_mix_weight_up.weight, ri)  # [T, nH]; a may be a column slice
-        u = mix_streams(logits, xn, self.n, self.hidden, ri)  # mean_s sigmoid(logits)_s * xn_s
+        # mean_s sigmoid(W_up a)_s * xn_s; a may be a column slice
+        u = up_mix(a, self.input_mix_weight_up.weight, xn, self.n, self.hidden, ri)  # [T, H]
         return u, v
 
     def forward(self, x: torch.Tensor, block, ri: bool) -> torch.Tensor:

@@ -54,6 +54,20 @@ def mix_streams(
     return (gate.unflatten(-1, (n, hidden)) * xn.unflatten(-1, (n, hidden))).mean(dim=-2)
 
 
+def up_mix(
+    a: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, n: int, hidden: int, row_invariant: bool = False
+) -> torch.Tensor:
+    """The block input u [T, H] = mix_streams(a @ w_up^T, xn): the mixer's up projection of its low-rank
+    activation a [T, r] and the stream mix (one launch on CUDA in row-invariant mode, the same bits)."""
+    if row_invariant and _triton_ok(a, w_up, xn):
+        from .triton.gemv import small_m_linear_mix
+
+        u = small_m_linear_mix(a, w_up, xn, n, hidden)
+        if u is not None:
+            return u
+    return mix_streams(linear(a, w_up, row_invariant), xn, n, hidden, row_invariant)
+
+
 def inject(
     x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, n: int, row_invariant: bool = False
 ) -> torch.Tensor:

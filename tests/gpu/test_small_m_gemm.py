@@ -85,3 +85,40 @@ def test_one_launch_split_reduction(shape: tuple[int, int]) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, small_m_linear(x, w, one_launch=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mix_epilogue_gives_the_separate_mix_bits(dtype: torch.dtype) -> None:
+    """The hyper-connections' up projection with the stream mix in its epilogue (real widths: 4 streams of
+    2560, rank 320) equals the GEMV then the mix kernel (bit for bit in 16-bit dtypes), and its rows are
+    invariant at every M, alone and in batches, eagerly and replayed from a CUDA graph with PDL."""
+    from nextserve.ops.triton.common import pdl_mode
+    from nextserve.ops.triton.gemv import small_m_linear, small_m_linear_mix
+    from nextserve.ops.triton.hyper import triton_mix_streams
+
+    n, H, K = 4, 2560, 320
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(n * H, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    x = torch.randn(40, K, device="cuda", generator=g).to(dtype)
+    xn = torch.randn(40, n * H, device="cuda", generator=g).to(dtype)
+    unfused = triton_mix_streams(small_m_linear(x, w), xn, n, H, sigmoid=True)
+    plain = small_m_linear_mix(x, w, xn, n, H)
+    if dtype == torch.float32:
+        # NOTE: in float32 nothing is rounded between the product and the sum, so the compiler may contract
+        # them into one FMA in one kernel and not in the other: equal to rounding, not bit for bit
+        assert ((plain - unfused).norm() / unfused.norm()).item() < 1e-6
+    else:
+        assert torch.equal(plain, unfused)
+    for m in (1, 2, 5, 16, 17, 33):
+        assert torch.equal(small_m_linear_mix(x[:m].clone(), w, xn[:m].clone(), n, H), plain[:m]), m
+    for i in (0, 7, 39):
+        assert torch.equal(small_m_linear_mix(x[i : i + 1], w, xn[i : i + 1], n, H)[0], plain[i])
+    out = torch.empty_like(plain[:8])
+    with pdl_mode(True):
+        small_m_linear_mix(x[:8], w, xn[:8], n, H)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(small_m_linear_mix(x[:8], w, xn[:8], n, H))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain[:8])

@@ -119,3 +119,38 @@ def test_row_strided_input_read_in_place(dtype) -> None:
     wide = torch.cat([x, x[:, :24]], dim=1)[:, :300]
     assert wide.stride(0) == 324
     assert torch.equal(small_m_linear(wide, w), small_m_linear(wide.contiguous(), w))
+
+
+@small
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,H,K", [(4, 16, 40), (4, 64, 300), (2, 40, 24)])
+@pytest.mark.usefixtures("row_independent_dot")
+def test_mix_epilogue_gives_the_separate_mix_bits(dtype: torch.dtype, n: int, H: int, K: int) -> None:
+    """The up projection with the stream mix in its epilogue (its tiles gather each position's n streams)
+    equals the GEMV followed by the mix kernel, bit for bit, and a row's bits do not depend on M."""
+    from nextserve.ops.triton.gemv import small_m_linear_mix
+    from nextserve.ops.triton.hyper import triton_mix_streams
+
+    x, w = _problem(20, n * H, K, dtype, seed=n * H + K)
+    xn = torch.randn(20, n * H, generator=torch.Generator().manual_seed(K)).to(device=DEV, dtype=dtype)
+    fused = small_m_linear_mix(x, w, xn, n, H)
+    assert fused is not None and fused.shape == (20, H)
+    assert torch.equal(fused, triton_mix_streams(small_m_linear(x, w), xn, n, H, sigmoid=True))
+    for i in (0, 7, 19):
+        assert torch.equal(small_m_linear_mix(x[i : i + 1], w, xn[i : i + 1], n, H)[0], fused[i]), i
+
+
+@small
+def test_mix_epilogue_declines_what_it_cannot_tile() -> None:
+    """A split K or a tile that is not whole positions' streams returns None; ops.hyper.up_mix then runs
+    the GEMV and the mix (their references on CPU tensors)."""
+    from nextserve.ops.hyper import mix_streams, up_mix
+    from nextserve.ops.linear import linear
+    from nextserve.ops.triton.gemv import small_m_linear_mix
+
+    for n, H, K in [(4, 16, 2048), (4, 6, 40)]:  # 16 K tiles: split; 4 positions a tile, 6 positions
+        x, w = _problem(3, n * H, K, torch.float32, seed=H)
+        xn = torch.randn(3, n * H).to(DEV)
+        assert small_m_linear_mix(x, w, xn, n, H) is None
+        want = mix_streams(linear(x, w, True), xn, n, H, True)
+        assert torch.equal(up_mix(x, w, xn, n, H, row_invariant=True), want)

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_pdl, pdl_start, unit_stride
+from .common import launch_pdl, pdl_start, sigmoid, unit_stride
 
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
@@ -132,27 +132,42 @@ def _small_m_gemm(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
+    MIX_N: tl.constexpr = 0, mix_x_ptr=None, MIX_H=1, stride_mx=0, mix_inv_n=1.0,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
     partial to ws[split, rows, cols] (a [S, M, N] workspace), and with FIXUP the tile's last program adds
     the partials in split order into out; else round and store to out[rows, cols]. Columns below SILU_COLS
-    are stored as silu(y * silu_scale) instead (`_epilogue`)."""
+    are stored as silu(y * silu_scale) instead (`_epilogue`). MIX_N > 0 (one split): the N = MIX_N *
+    MIX_H columns are the hyper-connection logits of MIX_N streams, and out [M, MIX_H] gets their stream
+    mix with mix_x [M, N] (`_mix_epilogue`)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
     pid_m = pid % m_blocks
     pid_n = pid // m_blocks
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     mask_m = rm[:, None] < M
-    mask_n = rn[None, :] < N
+    if MIX_N > 0:
+        # NOTE: a tile's columns are the MIX_N streams of BLOCK_N // MIX_N hidden positions (column c is
+        # stream c % MIX_N of position c // MIX_N): the weight rows a tile reads are gathered either way,
+        # and an element's dot never depends on its place in the tile, so the logits are the plain GEMV's
+        h_col = pid_n * (BLOCK_N // MIX_N) + tl.arange(0, BLOCK_N) // MIX_N
+        rn = (tl.arange(0, BLOCK_N) % MIX_N) * MIX_H + h_col
+        mask_n = h_col[None, :] < MIX_H
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = rn[None, :] < N
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     pdl_start(PDL)
+    if MIX_N > 0:  # issued before the K loop, used after it
+        mix_x = tl.load(
+            mix_x_ptr + rm[:, None].to(tl.int64) * stride_mx + rn[None, :], mask=mask_m & mask_n, other=0.0
+        )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
@@ -182,9 +197,33 @@ def _small_m_gemm(
                 y = _epilogue(tot, rn[None, :], out_ptr.dtype.element_ty, SILU_COLS, silu_scale)
                 tl.store(out_ptr + offs, y, mask=mask_m & mask_n)
                 tl.atomic_xchg(cnt_ptr + pid, 0)
+    elif MIX_N > 0:
+        ty = out_ptr.dtype.element_ty
+        u = _mix_epilogue(acc, mix_x, ty, BLOCK_M, BLOCK_N, MIX_N, mix_inv_n)
+        h = pid_n * (BLOCK_N // MIX_N) + tl.arange(0, BLOCK_N // MIX_N)
+        u_offs = rm[:, None].to(tl.int64) * MIX_H + h[None, :]
+        tl.store(out_ptr + u_offs, u, mask=mask_m & (h[None, :] < MIX_H))
     else:
         y = _epilogue(acc, rn[None, :], out_ptr.dtype.element_ty, SILU_COLS, silu_scale)
         tl.store(out_ptr + offs, y, mask=mask_m & mask_n)
+
+
+@triton.jit
+def _mix_epilogue(
+    acc, mix_x, ty: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_S: tl.constexpr, inv_n
+):
+    """u [BLOCK_M, BLOCK_N // N_S] = mean over the streams of sigmoid(logits) * x, from the float32 logits
+    acc and x [BLOCK_M, BLOCK_N] (column c: stream c % N_S), with hyper.py's _mix_streams roundings: the
+    logits and each sigmoid rounded to ty, each product rounded to ty, the streams added in order s = 0,
+    1, ... in float32 (a where-sum picks stream s exactly), the mean rounded once (the same bits in 16-bit
+    dtypes, where the product's rounding keeps it apart from the sum)."""
+    g = sigmoid(acc.to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    p = tl.reshape((g * mix_x.to(tl.float32)).to(ty).to(tl.float32), (BLOCK_M, BLOCK_N // N_S, N_S))
+    stream = tl.arange(0, N_S)[None, None, :]
+    u = tl.zeros((BLOCK_M, BLOCK_N // N_S), dtype=tl.float32)
+    for s in tl.static_range(N_S):
+        u += tl.sum(tl.where(stream == s, p, 0.0), axis=2)
+    return (u * inv_n).to(ty)
 
 
 @triton.jit
@@ -270,3 +309,35 @@ def small_m_linear(
             silu_scale=silu_scale, launch_pdl=pdl,
         )  # fmt: skip
     return y
+
+
+def small_m_linear_mix(
+    x: torch.Tensor, weight: torch.Tensor, xn: torch.Tensor, n: int, hidden: int
+) -> torch.Tensor | None:
+    """u [M, hidden] = the stream mix (ops/hyper.py mix_streams, sigmoid gates) of xn [M, n*hidden] by the
+    logits x [M, K] @ weight[n*hidden, K]^T, in one launch: the hyper-connections' up projection and mix,
+    with the bits of small_m_linear then triton_mix_streams in 16-bit dtypes (in float32 the compiler may
+    contract a product and its sum into one FMA in either kernel: equal to rounding). Rows are invariant
+    as the GEMV's are. None where the weight's configuration does not allow it (K split, or a tile not a
+    whole number of positions' streams)."""
+    x = unit_stride(x)
+    weight, xn = weight.contiguous(), unit_stride(xn)
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = _config(N, K, x.dtype)
+    if N != n * hidden or cfg.splits != 1 or cfg.block_n % n or hidden % (cfg.block_n // n):
+        return None
+    assert xn.shape == (M, N) and weight.shape[1] == K, (x.shape, weight.shape, xn.shape)
+    u = torch.empty((M, hidden), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return u
+    block_m = BLOCK_M if M <= BLOCK_M else 2 * BLOCK_M
+    grid = (triton.cdiv(M, block_m) * (N // cfg.block_n), 1)
+    pdl = launch_pdl(x)
+    _small_m_gemm[grid](
+        x, weight, u, u, u, M, N, K, cfg.split_tiles * cfg.block_k, x.stride(0), weight.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=False, FIXUP=False,
+        IEEE=x.dtype == torch.float32, PDL=pdl, MIX_N=n, mix_x_ptr=xn, MIX_H=hidden, stride_mx=xn.stride(0),
+        mix_inv_n=1.0 / n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+    )  # fmt: skip
+    return u
