@@ -308,26 +308,9 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
-        seq.output_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        p = seq.params
-        eos = self.model_config.eos_token_id
-        stopped = token in p.stop_token_ids or (token == eos and not p.ignore_eos)
-        if seq.constraint is not None:
-            seq.constraint.accept(token)
-        if seq.detokenizer is not None and not stopped:
-            seq.text = seq.detokenizer.add(token)
-        if stopped or (seq.constraint is not None and seq.constraint.is_terminated()):
-            self.scheduler.finish(seq, "stop")
-        elif p.stop and any(s in seq.text for s in p.stop):
-            cut = min(seq.text.find(s) for s in p.stop if s in seq.text)
-            seq.text = seq.text[:cut]
-            self.scheduler.finish(seq, "stop")
-        elif (
-            p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens
-        ) or seq.num_tokens >= seq.max_context:
-            self.scheduler.finish(seq, "length")
+        reason = seq.append(token, logprob, self.model_config.eos_token_id)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
 
     def drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
         outs = [self.output(s) for s in dict.fromkeys(touched)]

@@ -77,6 +77,30 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def append(self, token: int, logprob: TokenLogprob | None, eos: int | None) -> str | None:
+        """Add a sampled token (its logprob, the grammar's step, the text); the finish reason it brings:
+        "stop" (a stop token, eos unless ignored, the grammar's end, a stop string: the text is cut
+        before it), "length" (max_tokens or max_context), or None."""
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        p = self.params
+        stopped = token in p.stop_token_ids or (token == eos and not p.ignore_eos)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        if self.detokenizer is not None and not stopped:
+            self.text = self.detokenizer.add(token)
+        if stopped or (self.constraint is not None and self.constraint.is_terminated()):
+            return "stop"
+        if p.stop and any(s in self.text for s in p.stop):
+            self.text = self.text[: min(self.text.find(s) for s in p.stop if s in self.text)]
+            return "stop"
+        if (
+            p.max_tokens is not None and len(self.output_ids) >= p.max_tokens
+        ) or self.num_tokens >= self.max_context:
+            return "length"
+        return None
+
     def token_budget(self) -> int:
         """Most tokens (prompt + output) this sequence can ever hold: what admission reserves."""
         cap = self.max_context
