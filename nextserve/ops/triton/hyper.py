@@ -57,23 +57,25 @@ def _mix_streams(
 @triton.jit
 def _inject(
     x_ptr, y_ptr, v_ptr, o_ptr, H, stride_x, stride_y, stride_v, stride_o, inv_n,
-    N: tl.constexpr, BLOCK: tl.constexpr, FROM_LOGITS: tl.constexpr,
+    BLOCK: tl.constexpr, FROM_LOGITS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # NOTE: one program per (row, column block, stream): its loads are not queued behind another
+    # stream's store (which the compiler may not reorder them past)
     pdl_start(PDL)
     ty = o_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.program_id(2)
     m = c < H
     y = tl.load(y_ptr + t * stride_y + c, mask=m, other=0.0).to(tl.float32)
-    for s in tl.static_range(N):
-        inj = tl.load(v_ptr + t * stride_v + s).to(tl.float32)
-        if FROM_LOGITS:
-            inj = (inj * inv_n).to(ty).to(tl.float32)  # v / n
-            inj = 2.0 * sigmoid(inj).to(ty).to(tl.float32)  # exact doubling
-        x = tl.load(x_ptr + t * stride_x + s * H + c, mask=m, other=0.0).to(tl.float32)
-        p = (y * inj).to(ty).to(tl.float32)
-        tl.store(o_ptr + t * stride_o + s * H + c, (x + p).to(ty), mask=m)
+    inj = tl.load(v_ptr + t * stride_v + s).to(tl.float32)
+    x = tl.load(x_ptr + t * stride_x + s * H + c, mask=m, other=0.0).to(tl.float32)
+    if FROM_LOGITS:
+        inj = (inj * inv_n).to(ty).to(tl.float32)  # v / n
+        inj = 2.0 * sigmoid(inj).to(ty).to(tl.float32)  # exact doubling
+    p = (y * inj).to(ty).to(tl.float32)
+    tl.store(o_ptr + t * stride_o + s * H + c, (x + p).to(ty), mask=m)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -124,8 +126,8 @@ def triton_inject(
     o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(BLOCK, triton.next_power_of_2(hidden))
-        _inject[(x2.shape[0], triton.cdiv(hidden, block))](
+        _inject[(x2.shape[0], triton.cdiv(hidden, block), n)](
             x2, y2, v2, o, hidden, x2.stride(0), y2.stride(0), v2.stride(0), n * hidden, 1.0 / n,
-            N=n, BLOCK=block, FROM_LOGITS=from_logits, num_warps=NUM_WARPS, **pdl_args(x2),
+            BLOCK=block, FROM_LOGITS=from_logits, num_warps=NUM_WARPS, **pdl_args(x2),
         )  # fmt: skip
     return o
