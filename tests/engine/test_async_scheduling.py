@@ -13,6 +13,7 @@ from test_batched_exactness import FLAGS
 from triton_interp import DEV
 
 from nextserve import LLM, SamplingParams
+from nextserve.config import ConfigError, EngineConfig
 from nextserve.ops.tokens import resolve_pending_ids
 
 EOS = 1  # hf_oracle.TINY
@@ -52,6 +53,25 @@ def _all_free(llm) -> None:
     s = llm.stats()
     assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"]), s
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, 0.0])
+def test_async_scheduling_must_be_a_bool(bad) -> None:
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        EngineConfig(async_scheduling=bad)
+
+
+def test_the_cli_flag_sets_it() -> None:
+    import argparse
+
+    from nextserve.cli import add_engine_flags, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_config_from_args(p.parse_args([])).async_scheduling is True
+    assert engine_config_from_args(p.parse_args(["--no-async-scheduling"])).async_scheduling is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["--async-scheduling=maybe"])
 
 
 def test_async_equals_sync(oracle_llm) -> None:
