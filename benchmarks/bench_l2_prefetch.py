@@ -11,15 +11,16 @@ recurrences) that leave HBM idle, then projections that stream their weights fro
   128-byte line; `bulk` = `cp.async.bulk.prefetch.L2` of 16 KiB chunks, sm_90).
 
 Each graph runs the pair over COPIES distinct weights (3x the L2 or more in all), so no weight is in L2
-from the previous pair. us per pair = replay time / COPIES, median of TRIALS. Prints one JSON object; run
-on a CUDA machine: python benchmarks/bench_l2_prefetch.py
+from the previous pair. us per pair = replay time / COPIES, the median replay of
+nextserve.bench.timing.graph_us (BENCHMARKS.md's figures were taken with the script at 94444ff, which timed
+7 x 5 replays by CUDA events, the median). Prints one JSON object; run on a CUDA machine:
+python benchmarks/bench_l2_prefetch.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 from nextserve.bench import copy_bandwidth, git_info, hardware
+from nextserve.bench.timing import graph_us
 from nextserve.ops.norms import rms_norm
 from nextserve.ops.triton.common import pdl_mode
 from nextserve.ops.triton.gemv import small_m_linear
@@ -39,69 +41,33 @@ SHAPES = [  # (what, N, K)
 ]
 L2_BYTES = 50 * 2**20
 LINE, CHUNK = 128, 16384
-TRIALS, REPLAYS = 7, 5
 
 
 @triton.jit
-def _prefetch_lines(ptr, dummy_ptr, n_bytes, BLOCK: tl.constexpr):
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64) * 128
-    offs = tl.minimum(offs, n_bytes - 128)
-    r = tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [ptr + offs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-    tl.store(dummy_ptr + tl.program_id(0), tl.sum(r))
-
-
-@triton.jit
-def _prefetch_bulk(ptr, dummy_ptr, n_bytes, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64) * CHUNK
-    offs = tl.minimum(offs, n_bytes - CHUNK)  # n_bytes is a multiple of CHUNK here
-    r = tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], 16384;\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [ptr + offs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _prefetch(ptr, dummy_ptr, n_bytes, BLOCK: tl.constexpr, STEP: tl.constexpr, BULK: tl.constexpr):
+    """Each element fetches STEP bytes at its offset into L2: one line (BULK False) or one bulk copy."""
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64) * STEP
+    offs = tl.minimum(offs, n_bytes - STEP)  # n_bytes is a multiple of STEP here
+    if BULK:
+        r = tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], 16384;\n\tmov.u32 $0, 0;",
+            "=r,l", [ptr + offs], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        r = tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+            "=r,l", [ptr + offs], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
     tl.store(dummy_ptr + tl.program_id(0), tl.sum(r))
 
 
 def prefetch(kind: str, w: torch.Tensor, frac: float, dummy: torch.Tensor) -> None:
     flat = w.view(-1).view(torch.uint8)
     n = int(flat.numel() * frac) // CHUNK * CHUNK
-    if kind == "line":
-        block = 1024
-        _prefetch_lines[(triton.cdiv(n // LINE, block),)](flat, dummy, n, BLOCK=block, num_warps=4)
-    else:
-        block = 32
-        grid = (triton.cdiv(n // CHUNK, block),)
-        _prefetch_bulk[grid](flat, dummy, n, BLOCK=block, CHUNK=CHUNK, num_warps=1)
-
-
-def time_graph(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(TRIALS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(REPLAYS):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPLAYS)
-    return statistics.median(times)
+    bulk = kind == "bulk"
+    step, block = (CHUNK, 32) if bulk else (LINE, 1024)
+    grid = (triton.cdiv(n // step, block),)
+    _prefetch[grid](flat, dummy, n, BLOCK=block, STEP=step, BULK=bulk, num_warps=1 if bulk else 4)
 
 
 def bench_shape(N: int, K: int, gap: int, fracs: list[float], kinds: list[str]) -> dict:
@@ -138,16 +104,15 @@ def bench_shape(N: int, K: int, gap: int, fracs: list[float], kinds: list[str]) 
 
     res = {"copies": copies, "weight_mb": round(nbytes / 1e6, 2)}
     with pdl_mode(True):
-        res["gap"] = time_graph(lambda: [chain() for _ in ws]) / copies
-        res["gemv"] = time_graph(lambda: [small_m_linear(x, w) for w in ws]) / copies
-        res["serial"] = time_graph(serial()) / copies
+        res["gap"] = graph_us(lambda: [chain() for _ in ws]) / copies
+        res["gemv"] = graph_us(lambda: [small_m_linear(x, w) for w in ws]) / copies
+        res["serial"] = graph_us(serial()) / copies
         for kind in kinds:
             for frac in fracs:
-                res[f"prefetch_{kind}_{frac}"] = time_graph(serial(kind, frac)) / copies
+                res[f"prefetch_{kind}_{frac}"] = graph_us(serial(kind, frac)) / copies
         ref = small_m_linear(x, ws[0])
         torch.cuda.synchronize()
     res = {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}
-    res["equal_bits"] = True  # prefetching never changes what a kernel computes; checked below
     with pdl_mode(True):
         g = torch.cuda.CUDAGraph()
         out = torch.empty_like(ref)

@@ -236,8 +236,7 @@ class LLMEngine:
             and not plan.prefills
             and not plan.verifies
             and self.config.pipeline_stages == 1
-            and self.runner.drafter is None
-            and self.scheduler.proposer is None
+            and self.scheduler.proposer is None  # (the MTP drafter comes with its proposer)
             and all(plain_greedy(ch) for ch in plan.decodes)
         )
 

@@ -106,16 +106,12 @@ class ModelRunner:
         return streams.view(W, B, -1), logits.view(W, B, -1), None
 
     def window_streams(
-        self,
-        inputs: np.ndarray,
-        tables: list[list[int]],
-        x: torch.Tensor | None = None,
-        pending: bool = False,
+        self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None
     ) -> torch.Tensor:
         """W steps of B rows (window_inputs) run eagerly: streams [W*B, nH] after the model's layers (x
-        [W*B, nH]: the previous pipeline stage's; `pending`: ids may name the previous step's tokens)."""
-        tokens = self.tokens if pending else None
-        batch = eager_window(self.pool, self.states, inputs, tables, self.device, pending=tokens)
+        [W*B, nH]: the previous pipeline stage's). Ids naming the previous step's tokens are resolved from
+        self.tokens, as the graphs resolve them."""
+        batch = eager_window(self.pool, self.states, inputs, tables, self.device, pending=self.tokens)
         return self.model.window(batch, x)
 
     def launch_decode(self, chunks: list[Chunk]) -> LaunchedStep:
@@ -123,14 +119,10 @@ class ModelRunner:
         last token may still be on the device: the previous launched step's row r, named -(1 + r) by the
         sequence (Sequence.pending)."""
         with pdl_mode(self.pdl), torch.inference_mode():
-            inputs, tables = self.window_inputs(chunks, 1)
             B = len(chunks)
-            if self.graphs is not None and self.graphs.fits(B):
-                self.graphs.replay(inputs, tables)  # its argmax lands in self.tokens
-            else:
-                streams = self.window_streams(inputs, tables, pending=True)
-                logits = self.model.logits(streams, row_invariant=True)
-                torch.argmax(logits, dim=-1, out=self.tokens[:B])
+            _, logits, top = self.run_window(*self.window_inputs(chunks, 1))
+            if top is None:  # run eagerly: the argmax a graph writes into self.tokens
+                torch.argmax(logits[0], dim=-1, out=self.tokens[:B])
             host = self._host_tokens[self._launches % 2]
             self._launches += 1
             host[:B].copy_(self.tokens[:B], non_blocking=True)
