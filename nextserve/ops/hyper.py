@@ -58,7 +58,8 @@ def up_mix(
     a: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, n: int, hidden: int, row_invariant: bool = False
 ) -> torch.Tensor:
     """The block input u [T, H] = mix_streams(a @ w_up^T, xn): the mixer's up projection of its low-rank
-    activation a [T, r] and the stream mix (one launch on CUDA in row-invariant mode, the same bits)."""
+    activation a [T, r] and the stream mix (one launch on CUDA in row-invariant mode: the same bits in 16-bit
+    dtypes, equal to rounding in float32, gemv.small_m_linear_mix)."""
     if row_invariant and _triton_ok(a, w_up, xn):
         from .triton.gemv import small_m_linear_mix
 
