@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..model.batch import DecodeBatch, KVView, WindowBatch
+from ..ops.paged import write_paged_rows
 from ..ops.tokens import resolve_pending_ids
 from .kv_pool import KVPool
 from .states import StateSlots
@@ -68,10 +69,6 @@ class DecodeRows:
         self.pool, self.states = pool, states
         self.slots, self.positions, self.block_table = slots, positions, block_table
         self.keep_slots = keep_slots
-        # NOTE: every attention layer writes at the same (page, offset) and block-key address, so they
-        # are computed once a step (a graph records them once, at the first layer that asks).
-        self._kv_addr: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._key_addr: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gdn_planes(self, gdn_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.states.gdn_planes(gdn_index)
@@ -82,29 +79,17 @@ class DecodeRows:
     def index_tail_plane(self, attn_index: int) -> torch.Tensor:
         return self.states.tail_plane(attn_index)
 
-    def _page_of(self, index: torch.Tensor, per_page: int) -> torch.Tensor:
-        """The page holding each row's `index`-th token/block: block_table[b, index[b] // per_page]."""
-        col = torch.div(index, per_page, rounding_mode="floor")[:, None]
-        return self.block_table.gather(1, col)[:, 0].long()
-
     def write_kv(self, attn_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._kv_addr is None:
-            P = self.pool.page_size
-            self._kv_addr = (self._page_of(self.positions, P), self.positions % P)
-        page, off = self._kv_addr
         k_plane, v_plane, _ = self.pool.planes(attn_index)
-        k_plane.index_put_((page, off), k)
-        v_plane.index_put_((page, off), v)
+        write_paged_rows((k_plane, v_plane), (k, v), self.block_table, self.positions, self.pool.page_size)
 
     def write_block_key(self, attn_index: int, keys: torch.Tensor) -> None:
         # NOTE: rows whose block is still open write a placeholder there too (no branch, so the step
         # can be a graph); the slot is not read before the block completes and overwrites it, and the
         # page is the row's own (reserve copied it if it was shared).
-        if self._key_addr is None:
-            bpp = self.pool.blocks_per_page
-            block = torch.div(self.positions, self.pool.page_size // bpp, rounding_mode="floor")
-            self._key_addr = (self._page_of(block, bpp), block % bpp)
-        self.pool.planes(attn_index)[2].index_put_(self._key_addr, keys)
+        bpp, key_plane = self.pool.blocks_per_page, self.pool.planes(attn_index)[2]
+        c = self.pool.page_size // bpp  # tokens a block
+        write_paged_rows((key_plane,), (keys,), self.block_table, self.positions, bpp, c)
 
     def kv_view(self, attn_index: int) -> KVView:
         return KVView(*self.pool.planes(attn_index), self.block_table)
