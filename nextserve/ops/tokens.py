@@ -1,5 +1,6 @@
-"""Token ids that a decode step reads from the device: with async scheduling (engine/engine.py) a step is
-launched before the host has read the previous step's sampled tokens, so its rows name them instead.
+"""Token ids on the device: the greedy argmax of a step's logits, and the ids a decode step reads. With
+async scheduling (engine/engine.py) a step is launched before the host has read the previous step's
+sampled tokens, so its rows name them instead.
 
 # NOTE: a row's id is either a token (>= 0) or -(1 + r): the token the previous step sampled in its row r,
 # which is still on the device (`tokens`, the argmax buffer every decode step writes). Resolving reads
@@ -20,3 +21,13 @@ def resolve_pending_ids(ids: torch.Tensor, tokens: torch.Tensor) -> None:
         return
     src = (-1 - ids).clamp(min=0)
     ids.copy_(torch.where(ids >= 0, ids, tokens[src]))
+
+
+def greedy_ids(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [M] int64 = logits [M, V].argmax(-1) (the first index of the maximum), returned."""
+    if use_kernel(logits):
+        from .triton.tokens import triton_greedy_ids
+
+        if triton_greedy_ids(logits, out):
+            return out
+    return torch.argmax(logits, dim=-1, out=out)

@@ -17,6 +17,7 @@ from ..cache.decode_rows import WINDOW_FIELDS, fill_window, window_batch
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
 from ..model.flash_next import FlashNext
+from ..ops.tokens import greedy_ids
 from .mtp_runner import MtpDrafter
 
 log = logging.getLogger("nextserve.graphs")
@@ -164,7 +165,7 @@ class GraphRunner:
         logits = self.model.logits(streams, row_invariant=True)
         if self.tokens is None:
             return streams, logits, logits.argmax(dim=-1)
-        return streams, logits, torch.argmax(logits, dim=-1, out=self.tokens[: W * G])
+        return streams, logits, greedy_ids(logits, self.tokens[: W * G])
 
     def replay(
         self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None

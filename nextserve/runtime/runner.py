@@ -18,6 +18,7 @@ from ..engine.scheduler import Chunk, StepPlan
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
+from ..ops.tokens import greedy_ids
 from ..ops.triton.common import pdl_mode
 from .graph_runner import GraphRunner
 from .mtp_runner import MtpDrafter, MtpRows
@@ -122,7 +123,7 @@ class ModelRunner:
             B = len(chunks)
             _, logits, top = self.run_window(*self.window_inputs(chunks, 1))
             if top is None:  # run eagerly: the argmax a graph writes into self.tokens
-                torch.argmax(logits[0], dim=-1, out=self.tokens[:B])
+                greedy_ids(logits[0], self.tokens[:B])
             host = self._host_tokens[self._launches % 2]
             self._launches += 1
             host[:B].copy_(self.tokens[:B], non_blocking=True)

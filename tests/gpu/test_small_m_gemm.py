@@ -66,7 +66,8 @@ def test_config_and_cuda_graph(shape: tuple[int, int]) -> None:
 def test_one_launch_split_reduction(shape: tuple[int, int]) -> None:
     """The tile's last program adds the K splits: the bits of the two-launch reduction, at every M,
     call after call (the counters reset), and in a graph replayed several times."""
-    from nextserve.ops.triton.gemv import _config, _counters, small_m_linear
+    from nextserve.ops.triton.common import tile_counters
+    from nextserve.ops.triton.gemv import _config, small_m_linear
 
     N, K = shape
     assert _config(N, K, torch.bfloat16).splits > 1
@@ -76,7 +77,7 @@ def test_one_launch_split_reduction(shape: tuple[int, int]) -> None:
         two = small_m_linear(x, w, one_launch=False)
         for _ in range(3):
             assert torch.equal(small_m_linear(x, w), two), M
-    assert int(_counters(x.device).abs().sum()) == 0
+    assert int(tile_counters(x.device).abs().sum()) == 0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = small_m_linear(x, w)

@@ -82,14 +82,14 @@ def test_rows_are_invariant(dtype: torch.dtype, N: int, K: int, splits: int | No
 def test_one_launch_reduction_gives_the_two_launch_bits(dtype: torch.dtype, N: int, K: int, splits) -> None:
     """The split-K partials added by the tile's last program (one launch) give the bits of the separate
     reduction kernel, and leave every tile counter at zero for the next call."""
-    from nextserve.ops.triton.gemv import _counters
+    from nextserve.ops.triton.common import tile_counters
 
     x, w = _problem(20, N, K, dtype, seed=11)
     one = small_m_linear(x, w, splits=splits)
     two = small_m_linear(x, w, splits=splits, one_launch=False)
     assert torch.equal(one, two)
     assert torch.equal(small_m_linear(x, w, splits=splits), one)  # the counters were reset
-    assert int(_counters(x.device).abs().sum()) == 0
+    assert int(tile_counters(x.device).abs().sum()) == 0
 
 
 @small

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+COUNTERS = 1 << 16  # tile counters of the one-launch split reductions (a call with more tiles uses two)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _PDL = [False]  # on inside an engine's steps with EngineConfig.pdl (ModelRunner); off for direct op calls
 
 
@@ -76,3 +78,14 @@ def pdl_args(t: torch.Tensor) -> dict:
     """The launch keywords of a kernel that starts with `pdl_start(PDL)`, for a launch on t's device."""
     on = launch_pdl(t)
     return {"PDL": on, "launch_pdl": on}
+
+
+def tile_counters(device: torch.device) -> torch.Tensor | None:
+    """Zeroed int32 tile counters of `device` (None while a CUDA graph is being captured and they do
+    not exist yet: they would be allocated from, and zeroed by, the graph's pool). Each call of a kernel
+    that uses them leaves them zero again; calls on one device run in stream order (the engine uses one
+    stream, and a PDL launch touches them only after its wait), so no two calls use a counter at once."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        cnt = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return cnt

@@ -17,9 +17,9 @@
 #   float32. With S > 1 the partials go to a float32 workspace [S, M, N] and a second kernel adds them
 #   elementwise in the fixed order split 0, 1, ..., S-1 (unrolled adds, no tree, no atomics) and rounds
 #   once to the output dtype; with S == 1 the accumulator is rounded and stored directly (one launch);
-# - with S > 1 and a tile counter available (`_counters`), the add is done in the same launch instead: each
-#   split stores its partial, then bumps its tile's counter (a release/acquire atomic after a CTA
-#   barrier); the program that arrives last adds the S partials in the same fixed order 0, 1, ..., S-1
+# - with S > 1 and a tile counter available (common.tile_counters), the add is done in the same launch
+#   instead: each split stores its partial, then bumps its tile's counter (a release/acquire atomic after
+#   a CTA barrier); the program that arrives last adds the S partials in the same fixed order 0, 1, ..., S-1
 #   (loads from L2) and resets the counter to 0 for the next call. Which program arrives last varies;
 #   what it computes does not: the bits equal the two-launch path's (tests check both);
 # - M changes only how many row blocks are launched and where a row's results are stored, not what is
@@ -46,26 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_pdl, pdl_start, sigmoid, unit_stride
+from .common import COUNTERS, launch_pdl, pdl_start, sigmoid, tile_counters, unit_stride
 
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
 TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
 MIN_SPLIT_K_TILES = 8  # K is split only when the unsplit loop would run this many tiles or more
+PRELOAD_TILES = 4  # a split of at most this many weight tiles loads them all before the PDL wait
 REDUCE_BLOCK = 256
-COUNTERS = 1 << 16  # tile counters of the one-launch split-K reduction (a call with more tiles uses two)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """Zeroed int32 tile counters of `device` (None while a CUDA graph is being captured and they do
-    not exist yet: they would be allocated from, and zeroed by, the graph's pool). Each call leaves them
-    zero again; calls on one device run in stream order (the engine uses one stream), so no two calls
-    use a counter at the same time."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        cnt = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return cnt
 
 
 class Config(NamedTuple):
@@ -75,6 +63,7 @@ class Config(NamedTuple):
     split_tiles: int  # BLOCK_K tiles per split (the last split may get fewer)
     num_warps: int
     num_stages: int
+    preload: int  # weight tiles loaded before the PDL wait (the whole split when it has <= PRELOAD_TILES)
 
 
 # Shapes whose measured best configuration beats the rule's by more than the run-to-run spread (H200,
@@ -101,7 +90,13 @@ def _config(
         block_n = 32 if triton.cdiv(N, 32) >= target else 16
         block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
         splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
-    return Config(block_n, block_k, *splits, num_warps=4, num_stages=4)
+    return Config(block_n, block_k, *splits, num_warps=4, num_stages=4, preload=_preload(splits[1]))
+
+
+def _preload(split_tiles: int) -> int:
+    """Weight tiles a program loads before the PDL wait: all of its split's when they are few (the small
+    projections, bound by latency), none otherwise (a long K loop streams them pipelined anyway)."""
+    return split_tiles if split_tiles <= PRELOAD_TILES else 0
 
 
 def _splits(
@@ -131,7 +126,7 @@ def _small_m_gemm(
     stride_xm, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
+    PRELOAD: tl.constexpr = 0, SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
     MIX_N: tl.constexpr = 0, mix_x_ptr=None, MIX_H=1, stride_mx=0, mix_inv_n=1.0,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
@@ -161,22 +156,37 @@ def _small_m_gemm(
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rn[None, :] < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    # NOTE: the split's first PRELOAD (<= 4) weight tiles are loaded before the PDL wait: no kernel writes
+    # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
+    # x is fetched for them. They enter the dot exactly as the loop's tiles do (same tiles, same order).
+    if PRELOAD > 0:
+        w0 = _weight_tile(w_ptrs, mask_n, k_lo + rk, k_hi)
+    if PRELOAD > 1:
+        w1 = _weight_tile(w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K + rk, k_hi)
+    if PRELOAD > 2:
+        w2 = _weight_tile(w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K + rk, k_hi)
+    if PRELOAD > 3:
+        w3 = _weight_tile(w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K + rk, k_hi)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     pdl_start(PDL)
     if MIX_N > 0:  # issued before the K loop, used after it
         mix_x = tl.load(
             mix_x_ptr + rm[:, None].to(tl.int64) * stride_mx + rn[None, :], mask=mask_m & mask_n, other=0.0
         )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptrs, mask=mask_m & (kk[None, :] < k_hi), other=0.0)
-        w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
-        if IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+    if PRELOAD > 0:
+        acc = _dot_tile(acc, x_ptrs, w0, mask_m, k_lo + rk, k_hi, IEEE)
+    if PRELOAD > 1:
+        acc = _dot_tile(acc, x_ptrs + BLOCK_K, w1, mask_m, k_lo + BLOCK_K + rk, k_hi, IEEE)
+    if PRELOAD > 2:
+        acc = _dot_tile(acc, x_ptrs + 2 * BLOCK_K, w2, mask_m, k_lo + 2 * BLOCK_K + rk, k_hi, IEEE)
+    if PRELOAD > 3:
+        acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k_lo + 3 * BLOCK_K + rk, k_hi, IEEE)
+    x_ptrs += PRELOAD * BLOCK_K
+    w_ptrs += PRELOAD * BLOCK_K
+    for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
+        acc = _dot_tile(acc, x_ptrs, _weight_tile(w_ptrs, mask_n, k0 + rk, k_hi), mask_m, k0 + rk, k_hi, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -206,6 +216,21 @@ def _small_m_gemm(
     else:
         y = _epilogue(acc, rn[None, :], out_ptr.dtype.element_ty, SILU_COLS, silu_scale)
         tl.store(out_ptr + offs, y, mask=mask_m & mask_n)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, mask_n, kk, k_hi):
+    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its columns kk), zeros past k_hi."""
+    return tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
+
+
+@triton.jit
+def _dot_tile(acc, x_ptrs, w, mask_m, kk, k_hi, IEEE: tl.constexpr):
+    """acc + x[rows, kk] @ w, x's columns past k_hi zeros."""
+    x = tl.load(x_ptrs, mask=mask_m & (kk[None, :] < k_hi), other=0.0)
+    if IEEE:
+        return acc + tl.dot(x, w, input_precision="ieee")
+    return acc + tl.dot(x, w)
 
 
 @triton.jit
@@ -266,6 +291,7 @@ def small_m_linear(
     one_launch: bool = True,
     silu_cols: int = 0,
     silu_scale: float = 1.0,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
     capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
@@ -274,7 +300,8 @@ def small_m_linear(
     the rows per program (16, or 32 when M > 16) for the benchmark's check that both give the same bits;
     `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark).
     `silu_cols` > 0: output columns below it are silu(y * silu_scale), rounded as `scaled_silu` rounds
-    (the hyper-connections' down projection and its activation in one launch; the same bits)."""
+    (the hyper-connections' down projection and its activation in one launch; the same bits).
+    `preload=False` loads no weight tile before the PDL wait (the same bits; for the benchmark)."""
     x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
     weight = weight.contiguous()
     M, K = x.shape
@@ -288,6 +315,7 @@ def small_m_linear(
     else:
         s, tiles = _splits(N, K, bn, bk, want=splits)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    pre = _preload(tiles) if preload is not False else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
@@ -295,12 +323,12 @@ def small_m_linear(
     block_m = block_m or (BLOCK_M if M <= BLOCK_M else 2 * BLOCK_M)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, bn), s)
     pdl = launch_pdl(x)
-    cnt = _counters(x.device) if s > 1 and one_launch and grid[0] <= COUNTERS else None
+    cnt = tile_counters(x.device) if s > 1 and one_launch and grid[0] <= COUNTERS else None
     fixup = cnt is not None
     _small_m_gemm[grid](
         x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
-        PDL=pdl, SILU_COLS=silu_cols, silu_scale=silu_scale, num_warps=warps, num_stages=stages,
+        PDL=pdl, PRELOAD=pre, SILU_COLS=silu_cols, silu_scale=silu_scale, num_warps=warps, num_stages=stages,
         launch_pdl=pdl,
     )  # fmt: skip
     if s > 1 and not fixup:
@@ -337,7 +365,8 @@ def small_m_linear_mix(
     _small_m_gemm[grid](
         x, weight, u, u, u, M, N, K, cfg.split_tiles * cfg.block_k, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=False, FIXUP=False,
-        IEEE=x.dtype == torch.float32, PDL=pdl, MIX_N=n, mix_x_ptr=xn, MIX_H=hidden, stride_mx=xn.stride(0),
-        mix_inv_n=1.0 / n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        IEEE=x.dtype == torch.float32, PDL=pdl, PRELOAD=cfg.preload, MIX_N=n, mix_x_ptr=xn, MIX_H=hidden,
+        stride_mx=xn.stride(0), mix_inv_n=1.0 / n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     return u
