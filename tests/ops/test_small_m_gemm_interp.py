@@ -77,6 +77,20 @@ def test_rows_are_invariant(dtype: torch.dtype, N: int, K: int, splits: int | No
 
 
 @small
+@pytest.mark.parametrize("N,K,splits", [(4, 2048, None), (40, 300, 1), (40, 300, 2), (40, 1100, 1)])
+@pytest.mark.usefixtures("row_independent_dot")
+def test_weight_preload_gives_the_loop_bits(N: int, K: int, splits: int | None) -> None:
+    """A split of at most PRELOAD_TILES tiles loads them before the PDL wait (1, 3 and 2 tiles here; 5 tiles
+    preload none): the same bits as the plain K loop."""
+    from nextserve.ops.triton.gemv import _preload
+
+    x, w = _problem(20, N, K, torch.float16, seed=13)
+    loop = small_m_linear(x, w, splits=splits, preload=False)
+    assert torch.equal(small_m_linear(x, w, splits=splits), loop)
+    assert _preload(1) == 1 and _preload(4) == 4 and _preload(5) == 0
+
+
+@small
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("N,K,splits", [(4, 2048, None), (40, 300, 2), (24, 1100, 3)])
 def test_one_launch_reduction_gives_the_two_launch_bits(dtype: torch.dtype, N: int, K: int, splits) -> None:

@@ -1,14 +1,16 @@
 """Pieces the kernels share: the sigmoid they all round the same way, the unit-stride view their wrappers
-pass (column slices of a stacked projection are read in place), and programmatic dependent launch.
+pass (column slices of a stacked projection are read in place), programmatic dependent launch, and the
+tile counters of one-launch reductions.
 
 # NOTE: programmatic dependent launch (PDL, sm_90+). A kernel launched with `launch_pdl` may start while
 # the kernel before it in the stream is still running; a decode step is a chain of ~300 kernels of a few
 # microseconds, so each one's launch and first loads then overlap the previous one's tail. The contract
-# every kernel launched with `launch_pdl(...)` keeps (`pdl_start` at its top):
+# every kernel launched with `launch_pdl(...)` keeps (`pdl_start` near its top):
 # - it reads nothing an earlier kernel writes, and writes nothing, before `gdc_wait` returns (which is
-#   when the previous grid has completed and its writes are visible). `pdl_start` is each kernel's first
-#   statement. (Fetching the GEMV's first weight tiles into L2 before the wait, which no kernel writes,
-#   measured no better than not: benchmarks/bench_engine_ab.py, BENCHMARKS.md.);
+#   when the previous grid has completed and its writes are visible). `pdl_start` comes before every
+#   such read; only weights, which no kernel writes, are loaded before it: the small-M GEMM loads a short
+#   split's weight tiles into registers first (gemv.py, PRELOAD: 1.6% less GPU time a c1 step,
+#   BENCHMARKS.md session 9), where prefetching them into L2 had measured no better than not;
 # - it calls `gdc_wait` unconditionally, so "the previous grid completed" chains back through every
 #   kernel: a kernel that skipped the wait could complete before its own predecessor.
 # Kernels without the attribute (torch's) are ordered by the stream as usual. PDL changes when a kernel
