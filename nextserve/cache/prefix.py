@@ -21,6 +21,20 @@ def grid_hashes(tokens: list[int], chunk: int) -> list[bytes]:
     return out
 
 
+def image_points(
+    prompt_len: int, checkpoints: tuple[int, ...], chunk: int, anchor_chunks: int
+) -> frozenset[int]:
+    """Grid positions of a prompt to keep prefix images at: its last boundary, the boundary at or before
+    each checkpoint, and every `anchor_chunks` chunks (0: none)."""
+    # NOTE: also the last boundary strictly inside the prompt, so that the very same prompt sent again
+    # (which must recompute at least its last token) resumes too.
+    points = {prompt_len // chunk * chunk, (prompt_len - 1) // chunk * chunk}
+    points |= {min(p, prompt_len) // chunk * chunk for p in checkpoints}
+    if anchor_chunks:
+        points |= set(range(chunk * anchor_chunks, prompt_len + 1, chunk * anchor_chunks))
+    return frozenset(p for p in points if p > 0)
+
+
 @dataclass
 class _Entry:
     image: SequenceImage

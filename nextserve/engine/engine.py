@@ -7,9 +7,8 @@ import random
 
 import torch
 
-from ..cache.host_store import HostImageStore
 from ..cache.kv_pool import KVPool, PoolExhausted
-from ..cache.prefix import PrefixCache
+from ..cache.prefix import image_points
 from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
@@ -22,8 +21,16 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
-from .setup import capture_graphs, check_pipeline, check_state_memory, kv_capacity, load_model, load_tokenizer
-from .speculative import MtpProposer, NgramProposer
+from .setup import (
+    build_prefix,
+    capture_graphs,
+    check_pipeline,
+    check_state_memory,
+    kv_capacity,
+    load_model,
+    load_tokenizer,
+    make_proposer,
+)
 from .validate import check_prompt
 
 log = logging.getLogger("nextserve.engine")
@@ -76,21 +83,8 @@ class LLMEngine:
         else:
             self.model.prepare(self.max_context)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
-        host = (
-            HostImageStore(config.host_state_slots, config.host_kv_mib * 2**20)
-            if config.host_state_slots > 0
-            else None
-        )
-        self.prefix = (
-            PrefixCache(self.pool, config.prefill_chunk, config.prefix_cache_images, host)
-            if config.prefix_cache_images > 0
-            else None
-        )
-        proposer = None
-        if config.speculative_method == "ngram":
-            proposer = NgramProposer(config.speculative_tokens)
-        elif config.speculative_method == "mtp":
-            proposer = MtpProposer(config.speculative_tokens)
+        self.prefix = build_prefix(config, self.pool)
+        proposer = make_proposer(config)
         self.spec_drafted = self.spec_accepted = 0
         self.scheduler = Scheduler(
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
@@ -151,6 +145,11 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(
             params.seed if params.seed is not None else self._rng.getrandbits(63)
         )
+        points = frozenset()
+        if self.prefix is not None:
+            points = image_points(
+                len(ids), checkpoints, self.config.prefill_chunk, self.config.prefix_anchor_chunks
+            )
         seq = Sequence(
             request_id,
             ids,
@@ -160,29 +159,11 @@ class LLMEngine:
             generator=gen,
             constraint=constraint,
             detokenizer=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
-            image_points=self._image_points(len(ids), checkpoints),
+            image_points=points,
         )
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
         return request_id
-
-    def _image_points(self, prompt_len: int, checkpoints: tuple[int, ...]) -> frozenset[int]:
-        """Grid positions of this prompt to keep images at: its last boundary, the boundary at or
-        before each checkpoint, and every prefix_anchor_chunks chunks."""
-        if self.prefix is None:
-            return frozenset()
-        C = self.config.prefill_chunk
-        # NOTE: also the last boundary strictly inside the prompt, so that the very same prompt sent
-        # again (which must recompute at least its last token) resumes too.
-        points = {prompt_len // C * C, (prompt_len - 1) // C * C}
-        points |= {min(p, prompt_len) // C * C for p in checkpoints}
-        if self.config.prefix_anchor_chunks:
-            points |= set(
-                range(
-                    C * self.config.prefix_anchor_chunks, prompt_len + 1, C * self.config.prefix_anchor_chunks
-                )
-            )
-        return frozenset(p for p in points if p > 0)
 
     def _keep_image(self, seq: Sequence) -> None:
         """Snapshot a prefill that just ended on one of its image points (never a decoded state:
@@ -312,26 +293,12 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
-        outs = [self.output(s) for s in dict.fromkeys(touched)]
+        outs = [RequestOutput.of(s) for s in dict.fromkeys(touched)]
         for rid in [r for r, s in self.sequences.items() if s.finished and s.status is Status.FINISHED]:
             seq = self.sequences.pop(rid)
             if seq not in touched:
-                outs.append(self.output(seq))
+                outs.append(RequestOutput.of(seq))
         return outs
-
-    def output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt_text,
-            prompt_token_ids=seq.prompt_ids,
-            token_ids=list(seq.output_ids),
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            finished=seq.finished,
-            cached_tokens=seq.num_cached_prompt,
-            error=seq.error,
-        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self._launched is not None

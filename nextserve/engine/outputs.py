@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling import TokenLogprob
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 
 @dataclass
@@ -19,3 +23,19 @@ class RequestOutput:
     finished: bool = False
     cached_tokens: int = 0
     error: str | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RequestOutput:
+        """A sequence's output so far (a copy: the sequence goes on)."""
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt_text,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids),
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            finished=seq.finished,
+            cached_tokens=seq.num_cached_prompt,
+            error=seq.error,
+        )

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from ..cache.host_store import HostImageStore
 from ..cache.kv_pool import KVPool, kv_bytes_per_token
+from ..cache.prefix import PrefixCache
 from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
@@ -16,6 +18,7 @@ from ..ops.triton.common import pdl_mode
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
+from .speculative import MtpProposer, NgramProposer
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -143,3 +146,24 @@ def kv_capacity(
             "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
         )
     return int(min(tokens, config.max_concurrency * cfg.max_position_embeddings))
+
+
+def build_prefix(config: EngineConfig, pool: KVPool) -> PrefixCache | None:
+    """The prefix cache (with its host store when --host-state-slots > 0), or None when it is off."""
+    if config.prefix_cache_images <= 0:
+        return None
+    host = (
+        HostImageStore(config.host_state_slots, config.host_kv_mib * 2**20)
+        if config.host_state_slots > 0
+        else None
+    )
+    return PrefixCache(pool, config.prefill_chunk, config.prefix_cache_images, host)
+
+
+def make_proposer(config: EngineConfig) -> NgramProposer | MtpProposer | None:
+    """The draft proposer of --speculative-method (None when off)."""
+    if config.speculative_method == "ngram":
+        return NgramProposer(config.speculative_tokens)
+    if config.speculative_method == "mtp":
+        return MtpProposer(config.speculative_tokens)
+    return None
