@@ -227,10 +227,7 @@ class LLMEngine:
         try:
             self._launched = self.runner.launch_decode(chunks)
         except Exception as exc:  # noqa: BLE001 - those requests only
-            log.exception("decode step failed")
-            for ch in chunks:
-                self.scheduler.finish(ch.seq, "error", f"{type(exc).__name__}: {exc}")
-            return [ch.seq for ch in chunks]
+            return self._fail([ch.seq for ch in chunks], exc, "decode step")
         for b, ch in enumerate(chunks):
             ch.seq.num_computed = ch.seq.cache.length = ch.end
             ch.seq.pending.append(b)
@@ -242,10 +239,7 @@ class LLMEngine:
         try:
             tokens = launched.tokens()
         except Exception as exc:  # noqa: BLE001 - that step's requests only
-            log.exception("decode step failed")
-            for seq in seqs:
-                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            return seqs
+            return self._fail(seqs, exc, "decode step")
         for seq, token in zip(seqs, tokens, strict=True):
             if seq.finished:  # aborted, or finished by the step before, while this one ran
                 continue
@@ -253,8 +247,7 @@ class LLMEngine:
             try:
                 self._append(seq, token, None)
             except Exception as exc:  # noqa: BLE001
-                log.exception("update of %s failed", seq.request_id)
-                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                self._fail([seq], exc, f"update of {seq.request_id}")
             if seq.finished:
                 seq.pending.clear()
         return seqs
@@ -284,8 +277,14 @@ class LLMEngine:
                         break
                     self._append(seq, token, logprob)
             except Exception as exc:  # noqa: BLE001 - e.g. a grammar that fails to accept
-                log.exception("update of %s failed", seq.request_id)
-                self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                self._fail([seq], exc, f"update of {seq.request_id}")
+
+    def _fail(self, seqs: list[Sequence], exc: Exception, what: str) -> list[Sequence]:
+        """End `seqs` with the error (C2: those requests only); returns them."""
+        log.exception("%s failed", what)
+        for seq in seqs:
+            self.scheduler.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        return seqs
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
         reason = seq.append(token, logprob, self.model_config.eos_token_id)

@@ -163,9 +163,8 @@ class GraphRunner:
         if not self.logits:
             return (streams,)
         logits = self.model.logits(streams, row_invariant=True)
-        if self.tokens is None:
-            return streams, logits, logits.argmax(dim=-1)
-        return streams, logits, greedy_ids(logits, self.tokens[: W * G])
+        out = self.tokens[: W * G] if self.tokens is not None else logits.new_empty(W * G, dtype=torch.long)
+        return streams, logits, greedy_ids(logits, out)
 
     def replay(
         self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None
