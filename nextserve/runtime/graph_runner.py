@@ -74,6 +74,7 @@ class GraphRunner:
         launched before the host read the previous one's tokens: ModelRunner.launch_decode)."""
         self.model, self.pool, self.states, self.drafter = model, pool, states, drafter
         self.logits = logits and model.is_last
+        assert tokens is not None or not self.logits, "graphs that end in logits write their argmax to tokens"
         self.tokens = tokens
         self.buckets = bucket_sizes(max_rows)
         self.windows = window_sizes(max_drafts)
@@ -163,8 +164,7 @@ class GraphRunner:
         if not self.logits:
             return (streams,)
         logits = self.model.logits(streams, row_invariant=True)
-        out = self.tokens[: W * G] if self.tokens is not None else logits.new_empty(W * G, dtype=torch.long)
-        return streams, logits, greedy_ids(logits, out)
+        return streams, logits, greedy_ids(logits, self.tokens[: W * G])
 
     def replay(
         self, inputs: np.ndarray, tables: list[list[int]], x: torch.Tensor | None = None
