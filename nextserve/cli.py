@@ -127,7 +127,16 @@ def _serve_parser(sub) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     server.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes (default: none)"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: none; a key on the command line "
+        "is visible in `ps`: prefer --api-key-file)",
+    )
+    server.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of PATH (default: none)",
     )
     server.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the --model value)"
@@ -147,19 +156,75 @@ def _serve_parser(sub) -> None:
         help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted",
     )
     server.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: info: one JSON line per request)",
     )
+    _add_limit_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=_run_serve)
 
 
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    from .server.limits import DEFAULT_LIMITS as d
+
+    limits = p.add_argument_group("request limits")
+    limits.add_argument(
+        "--max-request-mib", type=float, default=d.max_request_mib, metavar="MIB",
+        help=f"request bodies larger than this are answered 413 (default: {d.max_request_mib:g})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-schema-depth", type=int, default=d.max_schema_depth, metavar="N",
+        help=f"deepest nesting of a JSON schema's objects and arrays (default: {d.max_schema_depth})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-schema-nodes", type=int, default=d.max_schema_nodes, metavar="N",
+        help="most objects and arrays in the JSON schemas one request compiles into a grammar "
+        f"(guided_json, response_format, forced tools; default: {d.max_schema_nodes})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-grammar-bytes", type=int, default=d.max_grammar_bytes, metavar="N",
+        help=f"largest guided_regex, guided_grammar or guided_choice list (default: {d.max_grammar_bytes})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--grammar-timeout", type=float, default=d.grammar_timeout_s, metavar="S",
+        help=f"a grammar compile that runs longer is answered 400 (default: {d.grammar_timeout_s:g})",
+    )  # fmt: skip
+
+
+def _api_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    if args.api_key_file is None:
+        return args.api_key
+    if args.api_key is not None:
+        parser.error("give --api-key or --api-key-file, not both")
+    try:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as exc:
+        parser.error(f"--api-key-file: {exc}")
+    if not key:
+        parser.error(f"--api-key-file {args.api_key_file}: the first line is empty")
+    return key
+
+
 def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .server.limits import ServerLimits
+
     if args.port < 0 or args.port > 65535:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.keepalive_interval <= 0 or args.shutdown_timeout < 0:
         parser.error("--keepalive-interval must be > 0 and --shutdown-timeout >= 0")
+    api_key = _api_key(args, parser)
     try:
         config = engine_config_from_args(args)
+        limits = ServerLimits(
+            max_request_mib=args.max_request_mib,
+            max_schema_depth=args.max_schema_depth,
+            max_schema_nodes=args.max_schema_nodes,
+            max_grammar_bytes=args.max_grammar_bytes,
+            grammar_timeout_s=args.grammar_timeout,
+        )
     except (ConfigError, TypeError, ValueError) as exc:
         parser.error(str(exc))
     from .server.lifecycle import serve
@@ -169,12 +234,13 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             config,
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            api_key=api_key,
             served_model_name=args.served_model_name
             or (DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else None),
             keepalive_s=args.keepalive_interval,
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
+            limits=limits,
         )
     except ConfigError as exc:
         print(f"nextserve serve: error: {exc}", file=sys.stderr)

@@ -1,10 +1,11 @@
-"""AsyncEngine: the engine's step loop on its own thread, with an async stream of outputs per request.
+"""AsyncEngine: the engine's step loop on its own thread, with an async stream of outputs per client.
 
 Only the engine thread changes the engine. Callers hand it adds and aborts through an inbox that it
 drains between steps, so `add_request` and `abort` never wait for a step: `add_request` makes the checks
 that need no engine state at once (raising ValueError / QueueFull / RuntimeError to its caller) and
-returns the request's queue; a failure found later on the engine thread arrives on that queue as a
-finished output with finish_reason "error".
+returns the request's OutputStream; a failure found later on the engine thread arrives on that stream as
+a finished output with finish_reason "error". Outputs travel as deltas (engine/output_stream.py): a
+client that stops reading holds only what it has not read, and one too far behind is aborted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from ..config import EngineConfig
 from .engine import LLMEngine
+from .output_stream import MAX_UNREAD, OutputStream
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import QueueFull
@@ -27,8 +29,16 @@ _ADD, _ABORT = "add", "abort"
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: LLMEngine | None = None,
+        max_unread: int = MAX_UNREAD,
+    ) -> None:
+        """`max_unread`: tokens (and their top logprobs) a client may leave unread before its requests are
+        aborted (engine/output_stream.py)."""
         self.engine = engine if engine is not None else LLMEngine(config)
+        self.max_unread = max_unread
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         # NOTE: two locks. The engine thread holds _step_lock while it changes the engine (a step, or
@@ -38,7 +48,7 @@ class AsyncEngine:
         self._mu = threading.Condition()
         self._inbox: list[tuple[str, str, tuple | None]] = []
         self._pending_adds = 0  # adds sent but not yet applied: they count as waiting
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopping = False
         self._abort_all = False
         self._thread = threading.Thread(target=self._loop, name="nextserve-engine", daemon=True)
@@ -62,7 +72,7 @@ class AsyncEngine:
                 continue
             with self._step_lock:
                 try:
-                    outputs = self.engine.step()
+                    outputs = self.engine.step(deltas=True)
                 except Exception:  # noqa: BLE001 - keep serving; the step already failed its requests
                     log.exception("engine step raised")
                     outputs = []
@@ -92,20 +102,19 @@ class AsyncEngine:
         if abort_all:
             for rid in list(self.engine.sequences):
                 self.engine.abort(rid)
-        return failed + self.engine.drain_finished([])
+        return failed + self.engine.drain_finished([], deltas=True)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             with self._mu:
                 rid = out.request_id
-                target = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
-            if target is None:
+                stream = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
+            if stream is None or stream.push(out) or out.finished or stream.overflowed:
                 continue
-            loop, queue = target
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-            except RuntimeError:  # the client's loop is gone
-                pass
+            stream.overflowed = True
+            log.info("aborting %s: its client left more than %d tokens unread", rid, stream.max_unread)
+            for other in stream.request_ids:
+                self.abort(other)
 
     # ---- requests (any thread / event loop) ----------------------------------------------------
     def add_request(
@@ -115,15 +124,16 @@ class AsyncEngine:
         request_id: str,
         constraint=None,
         checkpoints: tuple[int, ...] = (),
-    ) -> asyncio.Queue:
-        """Sends the request to the engine thread and returns the queue its outputs arrive on; raises
-        ValueError / QueueFull / RuntimeError (shutting down) at once. Call it from the event loop that
-        will read the queue."""
+        stream: OutputStream | None = None,
+    ) -> OutputStream:
+        """Sends the request to the engine thread and returns the stream its outputs arrive on (`stream`,
+        which may carry other requests of the same client, or a new one); raises ValueError / QueueFull /
+        RuntimeError (shutting down) at once. Call it from the event loop that will read the stream."""
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         ids, text = check_prompt(self.engine, prompt)
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        if stream is None:
+            stream = OutputStream(asyncio.get_running_loop(), self.max_unread)
         with self._mu:
             if self._stopping or not self._thread.is_alive():
                 raise RuntimeError("the engine is shutting down")
@@ -132,23 +142,24 @@ class AsyncEngine:
             waiting, limit = len(self.engine.scheduler.waiting) + self._pending_adds, self.config.max_pending
             if waiting >= limit:
                 raise QueueFull(f"{waiting} requests already wait (--max-pending {limit})")
-            self._streams[request_id] = (loop, queue)
+            self._streams[request_id] = stream
+            stream.request_ids.append(request_id)
             self._inbox.append((_ADD, request_id, (ids, text, params, constraint, checkpoints)))
             self._pending_adds += 1
             self._mu.notify()
-        return queue
+        return stream
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, constraint=None
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as they grow; the last one has finished=True. Leaving early aborts."""
-        queue = self.add_request(prompt, params, request_id, constraint)
+        stream = self.add_request(prompt, params, request_id, constraint)
         finished = False
         try:
             while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
+                for out in await stream.next():
+                    finished = out.finished
+                    yield out
         finally:
             if not finished:
                 self.abort(request_id)
@@ -161,6 +172,11 @@ class AsyncEngine:
                 return  # finished already, or never added
             self._inbox.append((_ABORT, request_id, None))
             self._mu.notify()
+
+    def num_waiting(self) -> int:
+        """Requests sent or queued that wait for admission."""
+        with self._mu:
+            return len(self.engine.scheduler.waiting) + self._pending_adds
 
     def stats(self) -> dict[str, int]:
         with self._step_lock, self._mu:

@@ -18,6 +18,7 @@ from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
 from ..runtime.windows import plain_greedy
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
+from .penalties import TokenTally
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
@@ -160,6 +161,7 @@ class LLMEngine:
             constraint=constraint,
             detokenizer=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
             image_points=points,
+            tally=TokenTally(ids, self.model_config.vocab_size) if params.penalized else None,
         )
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
@@ -183,8 +185,10 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that changed (finished ones are then forgotten).
+    def step(self, deltas: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the requests that changed (finished ones are then forgotten): their
+        whole outputs so far, or with `deltas` only the tokens each request has not handed out before
+        (RequestOutput.offset says where they start).
 
         # NOTE: async scheduling. A step of plain greedy decodes is launched, then the host reads the
         # previous launched step's tokens while the GPU runs it: the GPU never waits for the host's
@@ -206,7 +210,7 @@ class LLMEngine:
             results = self.runner.execute(plan)
             self.update(results)
             touched += [c.seq for c in plan.chunks]
-        return self.drain_finished(touched)
+        return self.drain_finished(touched, deltas)
 
     def _overlaps(self, plan: StepPlan) -> bool:
         """Whether `plan` is launched without waiting for its tokens: plain greedy decodes only, in one
@@ -291,12 +295,21 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
-        outs = [RequestOutput.of(s) for s in dict.fromkeys(touched)]
+    def drain_finished(self, touched: list[Sequence], deltas: bool = False) -> list[RequestOutput]:
+        """The outputs of `touched` and of every finished sequence (then forgotten); see `step`."""
+
+        def output(seq: Sequence) -> RequestOutput:
+            if not deltas:
+                return RequestOutput.of(seq)
+            out = RequestOutput.of(seq, since=seq.num_emitted)
+            seq.num_emitted = len(seq.output_ids)
+            return out
+
+        outs = [output(s) for s in dict.fromkeys(touched)]
         for rid in [r for r, s in self.sequences.items() if s.finished and s.status is Status.FINISHED]:
             seq = self.sequences.pop(rid)
             if seq not in touched:
-                outs.append(RequestOutput.of(seq))
+                outs.append(output(seq))
         return outs
 
     def has_unfinished(self) -> bool:

@@ -1,4 +1,5 @@
-"""SamplingParams and the sampler: temperature, top-k, top-p, per-request seeded generators."""
+"""SamplingParams and the sampler: temperature, top-k, top-p, min-p, penalties and logit_bias
+(engine/penalties.py), per-request seeded generators."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from .penalties import TokenTally, adjust_logits
+
+# NOTE: a temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by a
+# smaller one overflows to inf, and the distribution is a point mass at the argmax long before.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list | None = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n alternatives per generated token (0: the chosen one only)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one (0: off)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output already holds
+    frequency_penalty: float = 0.0  # subtracted once per time the output already holds the token
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens seen before
+    logit_bias: tuple[tuple[int, float], ...] | dict = ()  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str | int) else list(self.stop or [])
@@ -47,10 +59,47 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop token ids must be >= 0")
+        self._check_adjustments()
+
+    def _check_adjustments(self) -> None:
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or v > hi or v < lo or (lo_open and v == lo):
+                side = "(" if lo_open else "["
+                raise ValueError(f"{name} must be in {side}{lo}, {hi}], got {v!r}")
+
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, 2.0, lo_open=True)
+        bias = self.logit_bias
+        items = list(bias.items()) if isinstance(bias, dict) else list(bias or ())
+        clean = []
+        for item in items:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise ValueError("logit_bias maps token ids to numbers")
+            t, b = item
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if not isinstance(b, int | float) or isinstance(b, bool) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r}")
+            clean.append((t, float(b)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(clean)))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the output's history changes the logits (a penalty other than its neutral value)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes the model's logits before choosing (penalties, logit_bias)."""
+        return self.penalized or bool(self.logit_bias)
 
 
 @dataclass
@@ -93,10 +142,19 @@ def sample_row(
     params: SamplingParams,
     generator: torch.Generator,
     constraint: TokenConstraint | None = None,
+    tally: TokenTally | None = None,
+    extra: tuple[int, ...] = (),
 ) -> tuple[int, TokenLogprob | None]:
-    """One row of logits [V] (any device/dtype) -> (token id, logprob record if asked)."""
+    """One row of logits [V] (any device/dtype) -> (token id, logprob record if asked). `tally`: the
+    sequence's TokenTally (penalties), `extra`: tokens after it that it does not count yet (a verify
+    window's earlier drafts). Logprobs are of the model's logits, before any adjustment (vLLM's default).
+
+    The order is vLLM's: logit_bias and penalties, the grammar's mask, then greedy argmax, or temperature,
+    min-p, top-k and top-p before drawing."""
     logits = logits.detach().float().cpu()
     raw = logits
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, tally, extra)
     if constraint is not None:
         mask = constraint.allowed(logits.shape[-1])
         if mask is not None:
@@ -104,7 +162,11 @@ def sample_row(
     if params.greedy:
         token = int(torch.argmax(logits).item())
     else:
-        probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+        logits = logits / params.temperature
+        if params.min_p > 0.0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        probs = torch.softmax(filter_logits(logits, params.top_k, params.top_p), dim=-1)
         token = int(torch.multinomial(probs, 1, generator=generator).item())
     record = None
     if params.logprobs is not None:

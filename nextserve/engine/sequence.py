@@ -9,7 +9,8 @@ import torch
 
 from ..cache.sequence import SequenceCache
 from .detokenizer import Detokenizer
-from .sampling import SamplingParams, TokenConstraint, TokenLogprob
+from .penalties import TokenTally
+from .sampling import SamplingParams, TokenConstraint, TokenLogprob, sample_row
 
 
 class Status(enum.Enum):
@@ -42,6 +43,8 @@ class Sequence:
     # rows of launched decode steps whose tokens follow output_ids but are still on the device
     # (async scheduling, engine/engine.py): the token at num_tokens + i is the i-th one's
     pending: list[int] = field(default_factory=list)
+    num_emitted: int = 0  # output tokens handed out as deltas (LLMEngine.step(deltas=True))
+    tally: TokenTally | None = None  # the history penalties read (params.penalized only)
 
     @property
     def all_ids(self) -> list[int]:
@@ -82,6 +85,8 @@ class Sequence:
         "stop" (a stop token, eos unless ignored, the grammar's end, a stop string: the text is cut
         before it), "length" (max_tokens or max_context), or None."""
         self.output_ids.append(token)
+        if self.tally is not None:
+            self.tally.add(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         p = self.params
@@ -100,6 +105,11 @@ class Sequence:
         ) or self.num_tokens >= self.max_context:
             return "length"
         return None
+
+    def sample(self, logits: torch.Tensor, extra: tuple[int, ...] = ()) -> tuple[int, TokenLogprob | None]:
+        """The next token as this request's own sampler picks it from a row of logits [V] that follows its
+        tokens and then `extra` (a verify window's earlier drafts)."""
+        return sample_row(logits, self.params, self.generator, self.constraint, self.tally, extra)
 
     def token_budget(self) -> int:
         """Most tokens (prompt + output) this sequence can ever hold: what admission reserves."""

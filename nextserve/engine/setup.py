@@ -14,7 +14,7 @@ from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import load_weights
-from ..ops.triton.common import pdl_mode
+from ..ops.pdl import pdl_mode
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner

@@ -165,7 +165,7 @@ class PipelineRunner(StageWorker):
                 [sys.executable, "-m", "nextserve.runtime.stage_main"], stdin=subprocess.PIPE,
                 start_new_session=True,
             )  # fmt: skip
-            proc.stdin.write(pickle.dumps(setup))
+            proc.stdin.write(pickle.dumps(setup))  # NOTE: a pipe only this process writes: safe to pickle
             proc.stdin.close()
             self.procs.append(proc)
         try:

@@ -13,13 +13,13 @@ import torch
 from ..cache.decode_rows import eager_window
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
-from ..engine.sampling import TokenLogprob, sample_row
+from ..engine.sampling import TokenLogprob
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
+from ..ops.pdl import pdl_mode
 from ..ops.tokens import greedy_ids
-from ..ops.triton.common import pdl_mode
 from .graph_runner import GraphRunner
 from .mtp_runner import MtpDrafter, MtpRows
 from .windows import accept_windows, plain_greedy, window_inputs
@@ -320,7 +320,7 @@ class ModelRunner:
                 results.append(ChunkResult(ch, tokens[i]))
                 continue
             try:
-                token, lp = sample_row(rows[i], ch.seq.params, ch.seq.generator, ch.seq.constraint)
+                token, lp = ch.seq.sample(rows[i])
             except Exception as exc:  # noqa: BLE001 - e.g. a broken grammar: that request only
                 results.append(ChunkResult(ch, error=_describe(exc)))
                 continue

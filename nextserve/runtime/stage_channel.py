@@ -1,16 +1,18 @@
 """Control traffic between pipeline stages: a standalone Gloo group per stage (no global process group,
-so several engines can live in one process), step messages sent from stage 0, host tensors (item
-statuses; activations on the CPU and with --stage-transport host) sent as raw bytes (bit for bit).
-Activations between GPUs go by stage_transport.py."""
+so several engines can live in one process), step messages sent from stage 0 (JSON: stage_codec.py, so
+nothing that arrives can run code), host tensors (item statuses; activations on the CPU and with
+--stage-transport host) sent as raw bytes (bit for bit). Activations between GPUs go by
+stage_transport.py."""
 
 from __future__ import annotations
 
 import datetime
-import pickle
 import socket
 
 import torch
 import torch.distributed as dist
+
+from . import stage_codec
 
 TIMEOUT = datetime.timedelta(seconds=600)  # a stage that stops answering fails the step, not forever
 STEP_TAG = 1  # step messages; tensors go on tag 0
@@ -56,7 +58,7 @@ class StageChannel:
     # one stage at a time. Each stage takes its messages in the order stage 0 sent them.
     def send_step(self, obj: object) -> None:
         """obj (a StageStep, or None to stop) to every other stage; not waited for (`flush`)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(stage_codec.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.long)
         for dst in range(1, self.world):
             self.pending.append((self.group.send([size], dst, STEP_TAG), size))
@@ -67,7 +69,7 @@ class StageChannel:
         self.group.recv([size], 0, STEP_TAG).wait()
         buf = torch.empty(int(size[0]), dtype=torch.uint8)
         self.group.recv([buf], 0, STEP_TAG).wait()
-        return pickle.loads(buf.numpy().tobytes())
+        return stage_codec.loads(buf.numpy().tobytes())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, pin: bool = False) -> torch.Tensor:
         """A host tensor from stage src (in pinned memory with `pin`, to be copied on to a GPU)."""
@@ -78,11 +80,11 @@ class StageChannel:
     def broadcast(self, obj: object) -> object:
         """obj from stage 0 to every stage (the others pass None)."""
         size = torch.zeros(1, dtype=torch.long)
-        data = pickle.dumps(obj) if self.rank == 0 else b""
+        data = stage_codec.dumps(obj) if self.rank == 0 else b""
         size[0] = len(data)
         self.group.broadcast([size], self._from_stage0).wait()
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
         if buf is None:
             buf = torch.empty(int(size[0]), dtype=torch.uint8)
         self.group.broadcast([buf], self._from_stage0).wait()
-        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+        return obj if self.rank == 0 else stage_codec.loads(buf.numpy().tobytes())

@@ -17,15 +17,17 @@ from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
-from ..ops.triton.common import pdl_mode
+from ..ops.pdl import pdl_mode
 from .graph_runner import GraphRunner
 from .runner import ModelRunner
 from .stage_channel import StageChannel
+from .stage_codec import wire_type
 from .stage_transport import HostTransport, NcclTransport
 
 log = logging.getLogger("nextserve.pipeline")
 
 
+@wire_type
 @dataclass(frozen=True)
 class PrefillWork:
     slot: int
@@ -35,6 +37,7 @@ class PrefillWork:
     sample: bool
 
 
+@wire_type
 @dataclass(frozen=True)
 class DecodeWork:
     ids: list[int]
@@ -43,6 +46,7 @@ class DecodeWork:
     tables: list[list[int]]
 
 
+@wire_type
 @dataclass(frozen=True)
 class WindowsWork:
     """A step's verify windows (engine/speculative.py) as one window of W steps (ModelRunner.window_inputs:
@@ -53,6 +57,7 @@ class WindowsWork:
     tables: list[list[int]]
 
 
+@wire_type
 @dataclass(frozen=True)
 class StageStep:
     ops: list[tuple]  # the driver's cache operations since the last step (StageMirror), in order

@@ -10,7 +10,7 @@ import torch
 
 from ..cache.decode_rows import WINDOW_FIELDS
 from ..cache.states import StateSlots
-from ..engine.sampling import TokenLogprob, sample_row
+from ..engine.sampling import TokenLogprob
 from ..engine.scheduler import Chunk
 
 
@@ -58,11 +58,9 @@ def accept_windows(
     for b in plain:
         out[b] = sample_window(chunks[b], lambda j, b=b: (tops[j][b], None))
     for i, b in enumerate(rest):
-        seq = chunks[b].seq
+        ch = chunks[b]
         try:
-            out[b] = sample_window(
-                chunks[b], lambda j, i=i, s=seq: sample_row(rows[j, i], s.params, s.generator)
-            )
+            out[b] = sample_window(ch, lambda j, i=i, ch=ch: ch.seq.sample(rows[j, i], ch.drafts[:j]))
         except Exception as exc:  # noqa: BLE001 - that request only
             out[b] = exc
     return out
@@ -83,6 +81,7 @@ def sample_window(
 
 
 def plain_greedy(ch: Chunk) -> bool:
-    """Greedy with no logprobs and no grammar: its token is the argmax, taken on the device."""
+    """Greedy with no logprobs, no grammar, no penalties or logit_bias: its token is the argmax of the
+    model's logits, taken on the device."""
     p = ch.seq.params
-    return p.greedy and p.logprobs is None and ch.seq.constraint is None
+    return p.greedy and p.logprobs is None and ch.seq.constraint is None and not p.adjusts_logits

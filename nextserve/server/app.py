@@ -2,7 +2,9 @@
 
 Middleware (request counts, the API key, one log line per request), /health, /metrics, /v1/models, and the
 two generation routes. Every request the engine sees was validated first, so a bad request costs the
-engine nothing; a client that goes away aborts its request at once.
+engine nothing; a client that goes away aborts its request at once (counted and logged once, as status
+499). The generation routes read their bodies themselves, so that parsing and validation run off the event
+loop (server/prepare.py); their OpenAPI schema still names the request models.
 """
 
 from __future__ import annotations
@@ -16,23 +18,29 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
 
 from ..engine.async_engine import AsyncEngine
 from . import protocol as P
 from . import routes_chat, routes_completions
 from .checks import check_model
-from .errors import APIError, install_error_handlers
+from .errors import LOG_KEY, APIError, install_error_handlers
+from .generation import CLIENT_GONE
+from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import CONTENT_TYPE
-from .state import LOG_KEY, ServerState
+from .prepare import ClientGone
+from .state import ServerState
 
 request_log = logging.getLogger("nextserve.requests")
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
-MAX_BODY_BYTES = 256 * 2**20  # a request body larger than this is answered 413
+_BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest}
 
 
 class _Middleware:
-    """Counts requests by status, checks the API key on /v1, and writes one log line per request."""
+    """Counts requests by status, checks the API key on /v1, answers bodies past --max-request-mib with a
+    413 (by their Content-Length at once, a chunked one as soon as it passes the limit), and writes one
+    log line per request."""
 
     def __init__(self, app, srv: ServerState) -> None:
         self.app, self.srv = app, srv
@@ -60,7 +68,11 @@ class _Middleware:
                 err.headers["WWW-Authenticate"] = "Bearer"
                 await err(scope, receive, send_status)
                 return
-            await self.app(scope, receive, send_status)
+            limit = self.srv.limits.max_request_bytes
+            if _content_length(scope) > limit:
+                await _too_large(limit).response()(scope, receive, send_status)
+                return
+            await self.app(scope, _counted(receive, limit), send_status)
         finally:
             endpoint = (
                 path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
@@ -82,21 +94,66 @@ class _Middleware:
         return False
 
 
+def _content_length(scope) -> int:
+    for key, value in scope.get("headers", []):
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server takes ({limit} bytes, --max-request-mib).",
+        code="request_too_large",
+    )
+
+
+class BodyTooLarge(Exception):
+    """A chunked request body passed --max-request-mib."""
+
+
+def _counted(receive, limit: int):
+    """`receive` that raises BodyTooLarge once the body passes `limit` bytes."""
+    seen = [0]
+
+    async def counted():
+        message = await receive()
+        if message["type"] == "http.request":
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > limit:
+                raise BodyTooLarge
+        return message
+
+    return counted
+
+
 def build_app(
     engine: AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
     *,
     keepalive_s: float = 5.0,
+    limits: ServerLimits = DEFAULT_LIMITS,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name`."""
-    srv = ServerState.for_engine(engine, served_model_name, api_key, keepalive_s)
-    app = FastAPI(
-        title="nextserve", version="0.1.0", docs_url=None, redoc_url=None, max_body_size=MAX_BODY_BYTES
-    )
+    srv = ServerState.for_engine(engine, served_model_name, api_key, keepalive_s, limits)
+    app = FastAPI(title="nextserve", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.nextserve = srv
     app.add_middleware(_Middleware, srv=srv)
     install_error_handlers(app)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return _too_large(limits.max_request_bytes).response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        request.scope.setdefault(LOG_KEY, {})["error"] = "the client disconnected"
+        return Response(status_code=CLIENT_GONE)
 
     @app.get("/health")
     async def health() -> Response:
@@ -121,12 +178,35 @@ def build_app(
         check_model(srv, model_id)
         return _card()
 
-    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse)
-    async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response:
-        return await routes_chat.chat_completions(srv, req, request)
+    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": {}}}}}
 
-    @app.post("/v1/completions", response_model=P.CompletionResponse)
-    async def completions(req: P.CompletionRequest, request: Request) -> Response:
-        return await routes_completions.completions(srv, req, request)
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, openapi_extra=body)
+    async def chat_completions(request: Request) -> Response:
+        return await routes_chat.chat_completions(srv, request)
 
+    @app.post("/v1/completions", response_model=P.CompletionResponse, openapi_extra=body)
+    async def completions(request: Request) -> Response:
+        return await routes_completions.completions(srv, request)
+
+    _document_bodies(app)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """The generation routes' request models in the OpenAPI document (they read their bodies themselves)."""
+    plain = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = plain()
+        refs, defs = models_json_schema(
+            [(m, "validation") for m in _BODIES.values()], ref_template="#/components/schemas/{model}"
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, model in _BODIES.items():
+            content = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+            content["schema"] = refs[(model, "validation")]
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

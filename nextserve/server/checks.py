@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..engine.sampling import SamplingParams
 from . import protocol as P
 from .errors import APIError, bad
+from .render import FORBIDDEN_TEMPLATE_KWARGS, check_template_kwargs
 from .state import ServerState
 
 
@@ -16,13 +17,14 @@ def check_model(srv: ServerState, model: str | None) -> None:
 
 def check_common(srv: ServerState, req: P._SamplingFields) -> None:
     check_model(srv, req.model)
-    if req.n not in (None, 1):
-        raise bad("only n=1 is supported: send one request per choice", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad(f"{name} is not supported by this server; leave it unset or 0", param=name)
-    if req.logit_bias:
-        raise bad("logit_bias is not supported by this server", param="logit_bias")
+    limit = srv.engine.config.max_pending
+    if (req.n or 1) > limit:
+        raise bad(f"n is {req.n}; this server queues at most {limit} requests (--max-pending)", param="n")
+    for key in req.logit_bias or {}:
+        if int(key) >= srv.vocab_size:
+            raise bad(
+                f"logit_bias names token {key}, beyond the vocabulary of {srv.vocab_size}", "logit_bias"
+            )
     for t in req.stop_token_ids or []:
         if t >= srv.vocab_size:
             raise bad(f"stop_token_ids must be below the vocabulary size {srv.vocab_size}", "stop_token_ids")
@@ -31,6 +33,26 @@ def check_common(srv: ServerState, req: P._SamplingFields) -> None:
 
 
 def check_chat(req: P.ChatCompletionRequest) -> None:
+    if req.chat_template is not None:
+        raise bad(
+            "chat_template is not accepted: this server renders chats with the model's own template only",
+            param="chat_template",
+        )
+    key = check_template_kwargs(req)
+    if key is not None:
+        why = "a client's template" if key in FORBIDDEN_TEMPLATE_KWARGS else "a value the server sets itself"
+        raise bad(f"chat_template_kwargs may not set {key!r} ({why})", param=f"chat_template_kwargs.{key}")
+    if req.continue_final_message:
+        if req.messages[-1].role != "assistant":
+            raise bad(
+                "continue_final_message needs the last message to be the assistant's",
+                "continue_final_message",
+            )
+        if req.add_generation_prompt:
+            raise bad(
+                "continue_final_message continues the last message: set add_generation_prompt to false",
+                param="continue_final_message",
+            )
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad("top_logprobs needs logprobs set to true", param="top_logprobs")
     names = [t.function.name for t in req.tools or []]
@@ -89,6 +111,11 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         )
     except ValueError as exc:
         raise bad(str(exc)) from None

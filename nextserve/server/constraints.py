@@ -1,66 +1,108 @@
 """A request's output constraint: response_format, the guided_* / structured_outputs extensions, or forced
-tool calls (tool_choice required or named), compiled by the grammar backend; at most one per request."""
+tool calls (tool_choice required or named), compiled by the grammar backend; at most one per request.
+Each compile runs on a compiler thread within the request's limits (limits.py): schema size, grammar
+size, and --grammar-timeout."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import Request
+
 from . import protocol as P
 from .errors import bad
 from .grammar import GrammarUnavailable
+from .prepare import GrammarTimeout
 from .state import ServerState
 
 log = logging.getLogger("nextserve.server")
 
 
-async def output_constraint(
-    srv: ServerState, req: P._SamplingFields, tools: list[dict] | None, tool_choice: Any
-):
-    """The request's grammar constraint, or None."""
+def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[tuple[str, Callable, int]]:
+    """(field, compile function, schema nodes) of every constraint the request asks for."""
     g = srv.grammar
-    asks: list[tuple[str, Callable[[], Any]]] = []
+    asks: list[tuple[str, Callable[[], Any], int]] = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
-        asks.append(("response_format", g.compile_json_object))
+        asks.append(("response_format", g.compile_json_object, 1))
     elif rf is not None and rf.type == "json_schema":
         schema = rf.json_schema.schema_ if rf.json_schema else None
-        asks.append(("response_format", lambda: g.compile_json_schema(schema)))
+        asks.append(("response_format", lambda: g.compile_json_schema(schema), P.schema_nodes(schema)))
     if req.guided_json is not None:
-        asks.append(("guided_json", lambda: g.compile_json_schema(req.guided_json)))
+        schema = P.load_schema(req.guided_json)
+        asks.append(("guided_json", lambda: g.compile_json_schema(schema), P.schema_nodes(schema)))
     if req.guided_regex is not None:
-        asks.append(("guided_regex", lambda: g.compile_regex(req.guided_regex)))
+        asks.append(("guided_regex", lambda: g.compile_regex(req.guided_regex), 0))
     if req.guided_grammar is not None:
-        asks.append(("guided_grammar", lambda: g.compile_ebnf(req.guided_grammar)))
+        asks.append(("guided_grammar", lambda: g.compile_ebnf(req.guided_grammar), 0))
     if req.guided_choice is not None:
-        asks.append(("guided_choice", lambda: g.compile_choice(req.guided_choice)))
+        asks.append(("guided_choice", lambda: g.compile_choice(req.guided_choice), 0))
     so = req.structured_outputs
     if so is not None:
-        given = [k for k in ("json_", "regex", "grammar", "choice") if getattr(so, k) is not None]
-        if len(given) != 1:
-            raise bad(
-                "structured_outputs needs exactly one of json, regex, grammar, choice", "structured_outputs"
-            )
-        k = given[0]
-        fn = {"json_": g.compile_json_schema, "regex": g.compile_regex, "grammar": g.compile_ebnf}.get(
-            k, g.compile_choice
-        )
-        value = getattr(so, k)
-        asks.append(("structured_outputs", lambda: fn(value)))
+        if so.json_ is not None:
+            schema = P.load_schema(so.json_)
+            asks.append(("structured_outputs", lambda: g.compile_json_schema(schema), P.schema_nodes(schema)))
+        elif so.regex is not None:
+            asks.append(("structured_outputs", lambda: g.compile_regex(so.regex), 0))
+        elif so.grammar is not None:
+            asks.append(("structured_outputs", lambda: g.compile_ebnf(so.grammar), 0))
+        else:
+            asks.append(("structured_outputs", lambda: g.compile_choice(so.choice), 0))
     forced_tools = tools and (tool_choice == "required" or isinstance(tool_choice, P.NamedToolChoice))
     if forced_tools:
         forced = tool_choice.function.name if isinstance(tool_choice, P.NamedToolChoice) else None
         parallel = bool(getattr(req, "parallel_tool_calls", True))
-        asks.append(("tool_choice", lambda: g.compile_tool_calls(tools, forced, parallel)))
+        chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
+        nodes = sum(P.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
+        asks.append(("tool_choice", lambda: g.compile_tool_calls(tools, forced, parallel), nodes))
+    return asks
+
+
+def _grammar_bytes(req: P._SamplingFields) -> list[tuple[str, int]]:
+    """(field, bytes) of the request's regex, EBNF grammar and choices."""
+    so = req.structured_outputs
+    out = []
+    for name, text in (
+        ("guided_regex", req.guided_regex),
+        ("guided_grammar", req.guided_grammar),
+        ("structured_outputs", so.regex if so is not None else None),
+        ("structured_outputs", so.grammar if so is not None else None),
+    ):
+        if text is not None:
+            out.append((name, len(text.encode())))
+    for name, choices in (("guided_choice", req.guided_choice), ("structured_outputs", so and so.choice)):
+        if choices:
+            out.append((name, sum(len(c.encode()) for c in choices)))
+    return out
+
+
+async def output_constraint(
+    srv: ServerState, request: Request, req: P._SamplingFields, tools: list[dict] | None, tool_choice: Any
+) -> Any:
+    """The request's compiled grammar, or None (each choice then gets its own matcher of it)."""
+    asks = _asks(srv, req, tools, tool_choice)
     if not asks:
         return None
     if len(asks) > 1:
         raise bad(
             "give at most one output constraint; got " + ", ".join(a[0] for a in asks), param=asks[1][0]
         )
-    param, compile_fn = asks[0]
+    param, compile_fn, nodes = asks[0]
+    limits = srv.limits
+    if nodes > limits.max_schema_nodes:
+        raise bad(
+            f"the JSON schemas of this request hold {nodes} objects and arrays; at most "
+            f"{limits.max_schema_nodes} are compiled (--max-schema-nodes)",
+            param="tools" if param == "tool_choice" else param,
+        )
+    for name, size in _grammar_bytes(req):
+        if size > limits.max_grammar_bytes:
+            raise bad(
+                f"{name} is {size} bytes; at most {limits.max_grammar_bytes} (--max-grammar-bytes)", name
+            )
+    g = srv.grammar
     if not g.available:
         if param == "tool_choice":
             # NOTE: without xgrammar a forced tool choice is a request the model may not honour; serve
@@ -69,11 +111,16 @@ async def output_constraint(
             return None
         raise bad(f"structured output is unavailable on this server: {g.error}", param=param)
     try:
-        compiled = await asyncio.to_thread(compile_fn)
+        return await srv.prep.compile(request, limits.grammar_timeout_s, compile_fn)
     except GrammarUnavailable as exc:
         if param == "tool_choice":
             return None
         raise bad(str(exc), param=param) from None
+    except GrammarTimeout:
+        raise bad(
+            f"compiling the {param} grammar took longer than {limits.grammar_timeout_s:g} s "
+            "(--grammar-timeout); simplify it",
+            param=param,
+        ) from None
     except ValueError as exc:
         raise bad(str(exc), param=param) from None
-    return g.constraint(compiled)

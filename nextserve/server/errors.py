@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.outputs import RequestOutput
-from .state import LOG_KEY
 
 log = logging.getLogger("nextserve.server")
+LOG_KEY = "nextserve.log"  # the scope key of a request's structured-log fields
 
 
 class APIError(Exception):
@@ -60,6 +60,24 @@ def raise_for_failure(out: RequestOutput) -> None:
         raise failure_error(out)
 
 
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """pydantic's errors of a request as one 400 naming the field."""
+    # NOTE: a union field reports one error per member; the one whose location goes deepest is the
+    # member the client meant (a list of content parts, not a string).
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
+    loc = _clean_loc(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        msg, loc = "the request body is not valid JSON", []
+    elif first.get("type") == "missing":
+        msg = "field required" if loc else "the request body is missing"
+    param = ".".join(loc) or None
+    text = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problem(s))"
+    return bad(text, param=param)
+
+
 # ---- handlers ---------------------------------------------------------------------------------------
 
 
@@ -77,23 +95,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        # NOTE: a union field reports one error per member; the one whose location goes deepest is the
-        # member the client meant (a list of content parts, not a string).
-        first = max(
-            errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"}
-        )
-        loc = _clean_loc(first.get("loc", ()))
-        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        if first.get("type") == "json_invalid":
-            msg, loc = "the request body is not valid JSON", []
-        elif first.get("type") == "missing":
-            msg = "field required" if loc else "the request body is missing"
-        param = ".".join(loc) or None
-        text = f"{param}: {msg}" if param else msg
-        if len(errors) > 1:
-            text += f" (and {len(errors) - 1} more problem(s))"
-        return _respond(request, bad(text, param=param))
+        return _respond(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

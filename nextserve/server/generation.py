@@ -1,5 +1,10 @@
-"""One generation request on the engine, whichever endpoint made it: submitting it, its timing, metrics
-and log line, and answering it, streamed (SSE chunks) or whole, in the envelope both endpoints share."""
+"""One generation request on the engine, whichever endpoint made it: its `n` choices submitted as engine
+requests on one output stream, its timing, metrics and log line, and answering it, streamed (SSE chunks)
+or whole, in the envelope both endpoints share.
+
+# NOTE: choice i of a request with a seed samples with seed + i (vLLM's rule), each from its own generator,
+# so every choice equals the request made alone with that seed and n = 1, in any batch and any mode (C1).
+"""
 
 from __future__ import annotations
 
@@ -8,43 +13,51 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ..engine.output_stream import OutputStream
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import QueueFull
 from . import protocol as P
-from .errors import APIError, bad, failure_error, raise_for_failure
-from .state import LOG_KEY, ServerState
-from .streaming import DONE, KEEPALIVE, EventStream, outputs, sse
+from .errors import LOG_KEY, APIError, bad, failure_error, raise_for_failure
+from .prepare import queue_full
+from .state import ServerState
+from .streaming import DONE, KEEPALIVE, EventStream, sse
 
 # kind -> (request id prefix, object of a whole answer, object of a stream chunk)
 _KINDS = {
     "chat": ("chatcmpl-", "chat.completion", "chat.completion.chunk"),
     "completions": ("cmpl-", "text_completion", "text_completion"),
 }
+CLIENT_GONE = 499  # the status a request whose client left is counted and logged under (nginx's)
 
 
 class Tracker:
-    """Timing, metrics and the structured log line of one generation request."""
+    """Timing, metrics and the structured log line of one generation request (all its choices)."""
 
     def __init__(self, srv: ServerState, fields: dict[str, Any], request_id: str, prompt_tokens: int) -> None:
         self.srv, self.fields = srv, fields
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
-        self.n = 0
+        self.counts: dict[str, int] = {}  # tokens seen, per choice
         self.cached = 0
         self.prompt_tokens = prompt_tokens
         self.done = False
         fields.update(request_id=request_id, prompt_tokens=prompt_tokens)
 
+    @property
+    def n(self) -> int:
+        return sum(self.counts.values())
+
     def update(self, out: RequestOutput) -> None:
-        self.cached = out.cached_tokens
-        k = len(out.token_ids) - self.n
+        self.cached = max(self.cached, out.cached_tokens)
+        k = len(out.token_ids) - self.counts.get(out.request_id, 0)
         if k <= 0:
             return
         now = time.monotonic()
@@ -57,7 +70,8 @@ class Tracker:
             per = (now - self.last) / k
             for _ in range(k):
                 m.itl.observe(per)
-        self.last, self.n = now, len(out.token_ids)
+        self.last = now
+        self.counts[out.request_id] = len(out.token_ids)
 
     def finish(self, finish_reason: str | None) -> None:
         if self.done:
@@ -80,18 +94,24 @@ class Tracker:
         )
 
 
-class StreamRenderer(Protocol):
-    """What an endpoint streams: chunks before any output, chunks of each output, the finishing chunk."""
-
-    def prelude(self) -> Iterable[str]: ...
+class ChoiceRenderer(Protocol):
+    """What an endpoint streams of one choice: the chunks of each of its outputs (the first of which
+    opens the choice: its role, or the echoed prompt), and its finishing chunk."""
 
     def chunks(self, out: RequestOutput) -> Iterable[str]: ...
 
     def final(self, out: RequestOutput) -> str: ...
 
 
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling parameters of each of n choices (choice i seeded seed + i)."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % 2**64 if i else params.seed) for i in range(n)]
+
+
 class Generation:
-    """A request submitted to the engine (at construction: raises APIError when it is refused)."""
+    """A request's choices submitted to the engine (at construction: raises APIError when refused)."""
 
     def __init__(
         self,
@@ -101,43 +121,47 @@ class Generation:
         req: P._SamplingFields,
         ids: list[int],
         params: SamplingParams,
-        constraint,
+        compiled_grammar: Any = None,
         checkpoints: tuple[int, ...] = (),
     ) -> None:
         prefix, self.object, self.chunk_object = _KINDS[kind]
         self.srv, self.params, self.n_prompt = srv, params, len(ids)
         self.rid = prefix + uuid.uuid4().hex
+        n = req.n or 1
+        self.rids = [self.rid] if n == 1 else [f"{self.rid}-{i}" for i in range(n)]
+        self.index = {rid: i for i, rid in enumerate(self.rids)}
         opts = req.stream_options or P.StreamOptions()
         self.include_usage = opts.include_usage
         self.continuous = opts.include_usage and opts.continuous_usage_stats
         fields = request.scope.setdefault(LOG_KEY, {})
-        fields.update(endpoint=kind, stream=req.stream)
+        fields.update(endpoint=kind, stream=req.stream, n=n)
         self.tracker = Tracker(srv, fields, self.rid, len(ids))
-        self.queue = self._submit(ids, constraint, checkpoints)
+        self.stream = self._submit(ids, choice_params(params, n), compiled_grammar, checkpoints)
         self.created = int(time.time())
 
-    def _submit(self, ids: list[int], constraint, checkpoints: tuple[int, ...]) -> asyncio.Queue:
+    def _submit(self, ids, params: list[SamplingParams], compiled, checkpoints) -> OutputStream:
+        stream = None
         try:
-            return self.srv.engine.add_request(ids, self.params, self.rid, constraint, checkpoints)
-        except QueueFull as exc:
-            raise APIError(
-                503,
-                f"The server is overloaded: {exc}. Retry shortly.",
-                "server_overloaded",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            ) from None
-        except ValueError as exc:
-            raise bad(str(exc)) from None
-        except RuntimeError as exc:
+            for rid, p in zip(self.rids, params, strict=True):
+                constraint = self.srv.grammar.constraint(compiled) if compiled is not None else None
+                stream = self.srv.engine.add_request(ids, p, rid, constraint, checkpoints, stream)
+        except (QueueFull, ValueError, RuntimeError) as exc:
+            for rid in stream.request_ids if stream is not None else ():
+                self.srv.engine.abort(rid)
+            if isinstance(exc, QueueFull):
+                raise queue_full(str(exc)) from None
+            if isinstance(exc, ValueError):
+                raise bad(str(exc)) from None
             raise APIError(
                 503, f"The server is not accepting requests: {exc}", "server_error", code="unavailable"
             ) from None
+        return stream
 
     def close(self) -> None:
-        """Aborts the request unless it ended (the client left)."""
+        """Aborts what has not ended (the client left)."""
         if not self.tracker.done:
-            self.srv.engine.abort(self.rid)
+            for rid in self.rids:
+                self.srv.engine.abort(rid)
             self.tracker.finish("client_disconnect")
 
     # -- bodies -----------------------------------------------------------------------------------------
@@ -145,10 +169,9 @@ class Generation:
         body = {"id": self.rid, "object": obj, "created": self.created, "model": self.srv.name}
         return body | {"choices": choices} | extra
 
-    def usage(self, out: RequestOutput | None) -> dict[str, Any]:
-        """Usage of the output, or (None) of what the stream has seen so far."""
-        gen = len(out.token_ids) if out is not None else self.tracker.n
-        cached = out.cached_tokens if out is not None else self.tracker.cached
+    def usage(self) -> dict[str, Any]:
+        gen = sum(len(o.token_ids) for o in self.stream.outputs.values())
+        cached = max((o.cached_tokens for o in self.stream.outputs.values()), default=0)
         return {
             "prompt_tokens": self.n_prompt,
             "completion_tokens": gen,
@@ -167,28 +190,28 @@ class Generation:
 
     # -- answering whole --------------------------------------------------------------------------------
     async def respond(
-        self, request: Request, choice_of: Callable[[RequestOutput], dict[str, Any]]
+        self, request: Request, choice_of: Callable[[RequestOutput, int], dict[str, Any]]
     ) -> Response:
         try:
-            out = await self._collect(request)
+            outs = await self._collect(request)
         except BaseException:
-            self.srv.engine.abort(self.rid)
+            self.close()
             raise
-        if out is None:
-            return Response(status_code=499)  # nobody is listening
-        raise_for_failure(out)
-        body = self.envelope(self.object, [choice_of(out)], usage=self.usage(out))
+        if outs is None:
+            return Response(status_code=CLIENT_GONE)  # nobody is listening
+        for out in outs:
+            raise_for_failure(out)
+        choices = [choice_of(out, i) for i, out in enumerate(outs)]
+        body = self.envelope(self.object, choices, usage=self.usage())
         return JSONResponse(body, headers={"X-Request-Id": self.rid})
 
-    async def _collect(self, request: Request) -> RequestOutput | None:
-        """The final output; None (and the request aborted) if the client leaves first."""
+    async def _collect(self, request: Request) -> list[RequestOutput] | None:
+        """Every choice's final output, in order; None (and the request aborted) if the client leaves."""
 
-        async def drain() -> RequestOutput:
-            last = None
-            async for out in outputs(self.queue, None):
-                self.tracker.update(out)
-                last = out
-            return last
+        async def drain() -> None:
+            while not self.stream.finished:
+                for out in await self.stream.next():
+                    self.tracker.update(out)
 
         async def until_disconnect() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -197,49 +220,53 @@ class Generation:
         consume = asyncio.ensure_future(drain())
         watch = asyncio.ensure_future(until_disconnect())
         try:
-            await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watch.cancel()
             if not consume.done():
                 consume.cancel()
-                self.close()
-            watch.cancel()
-        if consume.cancelled():
+        if consume not in done:
+            self.close()
             return None
-        out = consume.result()
-        self.tracker.finish(out.finish_reason)
-        return out
+        consume.result()  # a failure of the drain itself
+        outs = [self.stream.outputs[rid] for rid in self.rids]
+        failed = [o for o in outs if o.finish_reason in ("error", "abort")]
+        self.tracker.finish(failed[0].finish_reason if failed else outs[0].finish_reason)
+        return outs
 
     # -- streaming --------------------------------------------------------------------------------------
-    def stream(self, renderer: StreamRenderer) -> EventStream:
-        return EventStream(self._events(renderer), on_close=self.close, request_id=self.rid)
+    def stream_response(self, renderers: list[ChoiceRenderer]) -> EventStream:
+        return EventStream(self._events(renderers), on_close=self.close, request_id=self.rid)
 
-    def chunk(self, choice: dict[str, Any], out: RequestOutput | None) -> str:
+    def chunk(self, choice: dict[str, Any]) -> str:
         body = self.envelope(self.chunk_object, [choice])
         if self.include_usage:
-            body["usage"] = self.usage(out) if self.continuous else None
+            body["usage"] = self.usage() if self.continuous else None
         return sse(body)
 
-    async def _events(self, renderer: StreamRenderer) -> AsyncIterator[str]:
+    async def _events(self, renderers: list[ChoiceRenderer]) -> AsyncIterator[str]:
         try:
-            for text in renderer.prelude():
-                yield text
-            async for out in outputs(self.queue, self.srv.keepalive_s):
-                if out is None:
+            while True:
+                outs = await self.stream.next(self.srv.keepalive_s)
+                if outs is None:
                     yield KEEPALIVE
                     continue
-                self.tracker.update(out)
-                if out.finish_reason in ("error", "abort"):
-                    self.tracker.finish(out.finish_reason)
-                    yield sse(failure_error(out).body())
-                    yield DONE
-                    return
-                for text in renderer.chunks(out):
-                    yield text
-                if out.finished:
-                    self.tracker.finish(out.finish_reason)
-                    yield renderer.final(out)
+                for out in outs:
+                    self.tracker.update(out)
+                    if out.finish_reason in ("error", "abort"):
+                        self.tracker.finish(out.finish_reason)
+                        yield sse(failure_error(out).body())
+                        yield DONE
+                        return
+                    renderer = renderers[self.index[out.request_id]]
+                    for text in renderer.chunks(out):
+                        yield text
+                    if out.finished:
+                        yield renderer.final(out)
+                if self.stream.finished:
+                    self.tracker.finish(self.stream.outputs[self.rids[0]].finish_reason)
                     if self.include_usage:
-                        yield sse(self.envelope(self.chunk_object, [], usage=self.usage(out)))
+                        yield sse(self.envelope(self.chunk_object, [], usage=self.usage()))
                     yield DONE
                     return
         finally:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .grammar_check import dead_rule
+
 log = logging.getLogger("nextserve.grammar")
 
 try:
@@ -40,9 +42,9 @@ class GrammarUnavailable(RuntimeError):
 class XGrammarConstraint:
     """One request's grammar state: which tokens may come next (a TokenConstraint)."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, stop_ids: tuple[int, ...] = ()) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.stop_ids = vocab_size, stop_ids
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.failed = False
@@ -54,7 +56,14 @@ class XGrammarConstraint:
         bits = ((self.bitmask[0].unsqueeze(1) >> self._shifts) & 1).bool().flatten()
         if bits.numel() < vocab_size:
             bits = torch.cat([bits, torch.zeros(vocab_size - bits.numel(), dtype=torch.bool)])
-        return bits[:vocab_size]
+        bits = bits[:vocab_size]
+        if not bits.any():
+            # NOTE: compile-time checks refuse grammars that can reach this (grammar_check.py); should one
+            # slip through, the output ends here with a stop token rather than a token the grammar forbids.
+            log.warning("grammar allows no next token; ending the output")
+            self.failed = True
+            bits[[t for t in self.stop_ids if t < vocab_size]] = True
+        return bits
 
     def accept(self, token_id: int) -> None:
         if self.matcher.is_terminated():
@@ -110,18 +119,23 @@ class GrammarBackend:
             log.warning("%s", exc)
 
     def constraint(self, compiled: Any) -> XGrammarConstraint:
-        return XGrammarConstraint(compiled, self.vocab_size)
+        stop = (self.eos_token_id,) if self.eos_token_id is not None else ()
+        return XGrammarConstraint(compiled, self.vocab_size, stop)
 
     # ---- compilers: each raises ValueError for a bad schema/pattern ---------------------------------
     def _compile(self, what: str, fn, *args, **kwargs) -> Any:
         compiler = self._get_compiler()
         try:
-            return fn(compiler, *args, **kwargs)
+            compiled = fn(compiler, *args, **kwargs)
         except GrammarUnavailable:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a message
             text = _XGR_PREFIX.sub("", str(exc)).strip()
             raise ValueError(f"invalid {what}: {text}") from exc
+        dead = dead_rule(compiled.grammar)
+        if dead is not None:
+            raise ValueError(f"the {what} admits no output: its rule {dead!r} can never be completed")
+        return compiled
 
     def compile_json_schema(self, schema: dict[str, Any] | str) -> Any:
         text = schema if isinstance(schema, str) else json.dumps(schema)

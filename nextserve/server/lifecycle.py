@@ -1,17 +1,22 @@
-"""Running the app: `serve(config, ...)` loads the model, serves it under uvicorn, and on SIGINT/SIGTERM
-stops accepting, lets in-flight requests finish for a grace period, aborts the rest and returns."""
+"""Running the app: `serve(config, ...)` binds its port, loads the model, serves it under uvicorn, and on
+SIGINT/SIGTERM stops accepting, lets in-flight requests finish for a grace period, aborts the rest and
+returns."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
 
 import uvicorn
 
+from ..config import ConfigError
 from ..engine.async_engine import AsyncEngine
 from .app import build_app
+from .limits import DEFAULT_LIMITS, ServerLimits
 
 log = logging.getLogger("nextserve.server")
 
@@ -26,17 +31,24 @@ def serve(
     keepalive_s: float = 5.0,
     shutdown_timeout_s: float = 30.0,
     log_level: str = "info",
+    limits: ServerLimits = DEFAULT_LIMITS,
 ) -> None:
-    """Loads the model and serves it until SIGINT/SIGTERM. On the signal it stops accepting
-    connections, lets in-flight requests finish for up to shutdown_timeout_s, then aborts the rest
-    (their clients get an error event or a 503, not a cut connection) and returns. A second signal
-    aborts at once."""
+    """Binds host:port (a ConfigError when it cannot: before any model is loaded), loads the model and
+    serves it until SIGINT/SIGTERM. On the signal it stops accepting connections, lets in-flight requests
+    finish for up to shutdown_timeout_s, then aborts the rest (their clients get an error event or a 503,
+    not a cut connection) and returns. A second signal aborts at once."""
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    log.info("loading %s", config.model)
-    engine = AsyncEngine(config)
+    t0 = time.monotonic()
+    sock = bind_socket(host, port)  # NOTE: not listening yet: connections are refused while loading
+    try:
+        log.info("loading %s", config.model)
+        engine = AsyncEngine(config)
+    except BaseException:
+        sock.close()
+        raise
     timer: threading.Timer | None = None
 
     def stop(force: bool) -> None:
@@ -48,17 +60,19 @@ def serve(
             timer.daemon = True
             timer.start()
 
+    name = served_model_name or str(config.model)
+    app = None
     try:
-        app = build_app(engine, served_model_name or str(config.model), api_key, keepalive_s=keepalive_s)
+        app = build_app(engine, name, api_key, keepalive_s=keepalive_s, limits=limits)
         app.state.nextserve.grammar.warm_up()
-        log.info(
-            "serving %s on http://%s:%d (max_context %d, stats %s)",
-            served_model_name or config.model,
-            host,
-            port,
-            engine.engine.max_context,
-            engine.stats(),
-        )
+        where = sock.getsockname()
+
+        def listening() -> None:
+            log.info(
+                "serving %s on http://%s:%d (started in %.1f s; max_context %d, stats %s)",
+                name, where[0], where[1], time.monotonic() - t0, engine.engine.max_context, engine.stats(),
+            )  # fmt: skip
+
         server = _GracefulServer(
             uvicorn.Config(
                 app,
@@ -73,22 +87,55 @@ def serve(
             ),
             on_signal=stop,
             grace_s=shutdown_timeout_s,
+            on_started=listening,
         )
-        server.run()
+        server.run(sockets=[sock])
+        if not server.started:
+            raise ConfigError(f"could not serve on {host}:{port} (see the log above)")
     finally:
         if timer is not None:
             timer.cancel()
+        if app is not None:
+            app.state.nextserve.prep.close()
         engine.shutdown(abort_running=True)
+        sock.close()
         log.info("stopped")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening); ConfigError naming the address when it is taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r} is not an address this machine has: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server there?)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn's server with our stop policy: the first SIGINT/SIGTERM starts the grace period
     (and the process then exits 0 instead of re-raising the signal); a second one aborts at once."""
 
-    def __init__(self, config, on_signal: Callable[[bool], None], grace_s: float) -> None:
+    def __init__(
+        self, config, on_signal: Callable[[bool], None], grace_s: float, on_started: Callable[[], None]
+    ) -> None:
         super().__init__(config)
-        self.on_signal, self.grace_s = on_signal, grace_s
+        self.on_signal, self.grace_s, self.on_started = on_signal, grace_s, on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()  # only now is the socket listening
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit:

@@ -12,7 +12,9 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from .limits import DEFAULT_LIMITS, ServerLimits
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -46,11 +48,11 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaSpec | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
+    def _schema_given(self, info: ValidationInfo) -> ResponseFormat:
         if self.type == "json_schema":
             if self.json_schema is None or self.json_schema.schema_ is None:
                 raise ValueError("response_format of type json_schema needs json_schema.schema")
-            check_json_schema(self.json_schema.schema_)
+            check_json_schema(self.json_schema.schema_, _limits(info))
         return self
 
 
@@ -65,12 +67,12 @@ class StructuredOutputs(_Strict):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
     @model_validator(mode="after")
-    def _one(self) -> StructuredOutputs:
+    def _one(self, info: ValidationInfo) -> StructuredOutputs:
         given = [v for v in (self.json_, self.regex, self.grammar, self.choice) if v is not None]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, grammar, choice")
         if self.json_ is not None:
-            check_json_schema(_load_schema(self.json_))
+            check_json_schema(load_schema(self.json_), _limits(info))
         if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         return self
@@ -83,15 +85,17 @@ class _SamplingFields(_Strict):
     temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: Finite | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    n: int | None = Field(default=1, ge=1, le=128)
+    n: int | None = Field(default=1, ge=1, le=128)  # choices, each its own engine request
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Finite | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Finite | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Finite] | None = None
+    repetition_penalty: Finite | None = Field(default=None, gt=0.0, le=2.0)  # vLLM's extension
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
     ignore_eos: bool = False
     # Constrained decoding extensions (vLLM's names); at most one constraint per request.
@@ -112,11 +116,27 @@ class _SamplingFields(_Strict):
             raise ValueError("at most 16 stop strings")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens")
+        for key in v:
+            if not (key.isascii() and key.isdigit() and len(key) < 12):
+                raise ValueError(
+                    f'logit_bias keys are token ids written as strings, such as "42"; got {key!r}'
+                )
+        return v
+
     @field_validator("guided_json")
     @classmethod
-    def _guided_json(cls, v: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+    def _guided_json(
+        cls, v: dict[str, Any] | str | None, info: ValidationInfo
+    ) -> dict[str, Any] | str | None:
         if v is not None:
-            check_json_schema(_load_schema(v))
+            check_json_schema(load_schema(v), _limits(info))
         return v
 
     @field_validator("guided_choice")
@@ -191,9 +211,9 @@ class FunctionDef(_Strict):
 
     @field_validator("parameters")
     @classmethod
-    def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _schema(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
         if v is not None:
-            check_json_schema(v)
+            check_json_schema(v, _limits(info))
         return v
 
 
@@ -221,6 +241,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    chat_template: str | None = None  # vLLM's field, refused: the server renders with the model's template
     chat_template_kwargs: dict[str, Any] | None = None
 
     # NOTE: cross-field checks (tool_choice against tools, top_logprobs against logprobs) are in
@@ -237,6 +259,22 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_length(cls, v: Any, info: ValidationInfo) -> Any:
+        # NOTE: before the items are validated: a token-id prompt longer than the context never runs, and
+        # checking its millions of items first would hold the interpreter for seconds
+        most = (info.context or {}).get("max_prompt")
+        if (
+            most is not None
+            and isinstance(v, list)
+            and v
+            and not isinstance(v[0], str | list)
+            and len(v) >= most
+        ):
+            raise ValueError(f"the prompt has {len(v)} tokens; this model's maximum context is {most} tokens")
+        return v
 
 
 # ---- responses -----------------------------------------------------------------------------------------
@@ -345,19 +383,67 @@ class ModelList(BaseModel):
 # ---- helpers -------------------------------------------------------------------------------------------
 
 
-def _load_schema(v: dict[str, Any] | str) -> Any:
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+
+
+def _limits(info: ValidationInfo) -> ServerLimits:
+    ctx = info.context or {}
+    return ctx.get("limits", DEFAULT_LIMITS)
+
+
+def load_schema(v: dict[str, Any] | str) -> Any:
     if isinstance(v, str):
         try:
             return json.loads(v)
+        except RecursionError:
+            raise ValueError("the JSON schema nests too deeply") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
     return v
 
 
-def check_json_schema(schema: Any) -> None:
-    """Raises ValueError when `schema` is not a JSON Schema document."""
+def schema_nodes(schema: Any) -> int:
+    """Objects and arrays in a schema (what its grammar's size follows), counted without recursion."""
+    count, stack = 0, [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            count += 1
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            count += 1
+            stack.extend(v)
+    return count
+
+
+def _schema_depth(schema: Any, limit: int) -> int:
+    """Nesting depth of a schema's objects and arrays, counted without recursion up to limit + 1."""
+    deepest, stack = 0, [(schema, 1)]
+    while stack:
+        v, d = stack.pop()
+        if not isinstance(v, dict | list):
+            continue
+        deepest = max(deepest, d)
+        if d > limit:
+            return d
+        stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_json_schema(schema: Any, limits: ServerLimits = DEFAULT_LIMITS) -> None:
+    """Raises ValueError when `schema` is not a JSON Schema document within the server's limits."""
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object")
+    if _schema_depth(schema, limits.max_schema_depth) > limits.max_schema_depth:
+        raise ValueError(
+            f"the JSON schema nests deeper than {limits.max_schema_depth} levels (--max-schema-depth)"
+        )
+    nodes = schema_nodes(schema)
+    if nodes > limits.max_schema_nodes:
+        raise ValueError(
+            f"the JSON schema holds {nodes} objects and arrays; at most {limits.max_schema_nodes} "
+            "(--max-schema-nodes)"
+        )
     try:
         import jsonschema
     except ImportError:  # pragma: no cover - jsonschema ships with the server extra

@@ -1,8 +1,7 @@
-"""POST /v1/chat/completions: the chat template, tool calls (whole or as streamed deltas), logprobs."""
+"""POST /v1/chat/completions: the chat template, tool calls (whole or as streamed deltas), logprobs, n."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,53 +10,45 @@ from fastapi.responses import Response
 
 from ..engine.outputs import RequestOutput
 from . import protocol as P
-from .chat import (
-    CallArgs,
-    CallStart,
-    ContentDelta,
-    Event,
-    ToolCallParser,
-    last_message_start,
-    parse_tool_calls,
-    render_chat,
-)
+from .body import parse_body
 from .checks import check_chat, check_common, check_length, sampling_params
 from .constraints import output_constraint
 from .errors import bad
 from .generation import Generation, finite
+from .render import encode_chat
 from .state import ServerState
 from .streaming import TextStream
+from .tool_calls import CallArgs, CallStart, ContentDelta, Event, ToolCallParser, parse_tool_calls
 
 
-async def chat_completions(srv: ServerState, req: P.ChatCompletionRequest, request: Request) -> Response:
-    check_common(srv, req)
-    check_chat(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    tool_mode = bool(req.tools) and req.tool_choice != "none"
-
-    def prepare() -> tuple[list[int], int | None]:
-        ids = srv.encode(render_chat(srv.tokenizer, req))
-        return ids, last_message_start(srv.tokenizer, req, ids)
-
-    try:
-        ids, checkpoint = await asyncio.to_thread(prepare)
-    except ValueError as exc:
-        raise bad(str(exc), param="messages") from None
-    check_length(srv, len(ids), max_tokens, "messages")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(srv, req, max_tokens, logprobs)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_mode else None
-    constraint = await output_constraint(srv, req, tools, req.tool_choice)
-    checkpoints = (checkpoint,) if checkpoint is not None else ()
-    gen = Generation(srv, request, "chat", req, ids, params, constraint, checkpoints)
+async def chat_completions(srv: ServerState, request: Request) -> Response:
+    async with srv.prep.admit():
+        raw = await request.body()
+        req = await srv.prep.run(request, parse_body, raw, P.ChatCompletionRequest, srv.limits)
+        check_common(srv, req)
+        check_chat(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        tool_mode = bool(req.tools) and req.tool_choice != "none"
+        try:
+            ids, checkpoint = await srv.prep.run(request, encode_chat, srv.tokenizer, req)
+        except ValueError as exc:
+            raise bad(str(exc), param="messages") from None
+        check_length(srv, len(ids), max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(srv, req, max_tokens, logprobs)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_mode else None
+        compiled = await output_constraint(srv, request, req, tools, req.tool_choice)
+        checkpoints = (checkpoint,) if checkpoint is not None else ()
+        gen = Generation(srv, request, "chat", req, ids, params, compiled, checkpoints)
+    names = {t["function"]["name"] for t in tools} if tools else None
     if req.stream:
-        return gen.stream(_ChatStream(gen, req, tool_mode))
+        return gen.stream_response([_ChatChoice(gen, req, names, i) for i in range(len(gen.rids))])
 
-    def choice(out: RequestOutput) -> dict[str, Any]:
+    def choice(out: RequestOutput, index: int) -> dict[str, Any]:
         content: str | None = out.text
         calls = []
-        if tool_mode:
-            parsed = parse_tool_calls(out.text)
+        if names is not None:
+            parsed = parse_tool_calls(out.text, names)
             content = parsed.content
             calls = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -66,7 +57,7 @@ async def chat_completions(srv: ServerState, req: P.ChatCompletionRequest, reque
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         lps = {"content": _logprobs(srv, out, 0, gen.visible_count(out))} if req.logprobs else None
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": content, "tool_calls": calls},
             "logprobs": lps,
             "finish_reason": finish,
@@ -102,28 +93,29 @@ def _event_delta(ev: Event) -> dict[str, Any]:
     return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
 
 
-class _ChatStream:
-    """The chunks of a streamed chat answer: the role, content and tool-call deltas, then the finish."""
+class _ChatChoice:
+    """The chunks of one streamed chat choice: the role with its first token, content and tool-call deltas,
+    then the finish."""
 
-    def __init__(self, gen: Generation, req: P.ChatCompletionRequest, tool_mode: bool) -> None:
-        self.gen, self.want_logprobs = gen, req.logprobs
-        self.parser = ToolCallParser() if tool_mode else None
+    def __init__(
+        self, gen: Generation, req: P.ChatCompletionRequest, names: set[str] | None, index: int
+    ) -> None:
+        self.gen, self.want_logprobs, self.index = gen, req.logprobs, index
+        self.parser = ToolCallParser(names) if names is not None else None
         self.texts = TextStream(gen.params.stop)
         self.lp_sent = 0
         self.pending: list[dict[str, Any]] = []  # logprobs not sent yet
+        self.opened = False
 
-    def _chunk(self, delta: dict[str, Any], out: RequestOutput | None, finish: str | None = None) -> str:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
         lps, self.pending = (self.pending or None), []
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": delta,
             "logprobs": {"content": lps} if lps is not None else None,
             "finish_reason": finish,
         }
-        return self.gen.chunk(choice, out)
-
-    def prelude(self) -> Iterator[str]:
-        yield self._chunk({"role": "assistant", "content": ""}, None)
+        return self.gen.chunk(choice)
 
     def chunks(self, out: RequestOutput) -> Iterator[str]:
         if self.want_logprobs:
@@ -135,10 +127,19 @@ class _ChatStream:
             events = self.parser.feed(delta) + (self.parser.finish() if out.finished else [])
         else:
             events = [ContentDelta(delta)] if delta else []
-        for ev in events:
-            yield self._chunk(_event_delta(ev), out)
+        deltas = [_event_delta(ev) for ev in events]
+        if not self.opened:
+            # NOTE: the role comes with the first token (as vLLM sends it), so a client that times the
+            # first chunk measures the prefill.
+            self.opened = True
+            if deltas and "content" in deltas[0]:
+                deltas[0] = {"role": "assistant"} | deltas[0]
+            else:
+                deltas.insert(0, {"role": "assistant", "content": ""})
+        for d in deltas:
+            yield self._chunk(d)
 
     def final(self, out: RequestOutput) -> str:
         called = self.parser is not None and self.parser.calls
         finish = "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
-        return self._chunk({}, out, finish)
+        return self._chunk({}, finish)

@@ -1,8 +1,7 @@
-"""POST /v1/completions: a prompt as text or token ids, echo, logprobs with text offsets."""
+"""POST /v1/completions: a prompt as text or token ids, echo, logprobs with text offsets, n."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +10,7 @@ from fastapi.responses import Response
 
 from ..engine.outputs import RequestOutput
 from . import protocol as P
+from .body import parse_body
 from .checks import check_common, check_completion, check_length, sampling_params
 from .constraints import output_constraint
 from .errors import bad
@@ -19,38 +19,41 @@ from .state import ServerState
 from .streaming import TextStream
 
 
-async def completions(srv: ServerState, req: P.CompletionRequest, request: Request) -> Response:
-    check_common(srv, req)
-    check_completion(req)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad("send one prompt per request (batched prompts are not supported)", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        try:
-            ids = await asyncio.to_thread(srv.encode, prompt)
-        except ValueError as exc:
-            raise bad(str(exc), param="prompt") from None
-        prompt_text = prompt
-    else:
-        ids = list(prompt)
-        if any(t < 0 or t >= srv.vocab_size for t in ids):
-            raise bad(f"prompt token ids must be in [0, {srv.vocab_size})", param="prompt")
-        prompt_text = srv.decode(ids) if req.echo else ""
-    check_length(srv, len(ids), req.max_tokens, "prompt")
-    params = sampling_params(srv, req, req.max_tokens, req.logprobs)
-    constraint = await output_constraint(srv, req, None, None)
-    gen = Generation(srv, request, "completions", req, ids, params, constraint)
+async def completions(srv: ServerState, request: Request) -> Response:
+    async with srv.prep.admit():
+        raw = await request.body()
+        req = await srv.prep.run(request, parse_body, raw, P.CompletionRequest, srv.limits, srv.max_context)
+        check_common(srv, req)
+        check_completion(req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad("send one prompt per request (batched prompts are not supported)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            try:
+                ids = await srv.prep.run(request, srv.encode, prompt)
+            except ValueError as exc:
+                raise bad(str(exc), param="prompt") from None
+            prompt_text = prompt
+        else:
+            ids = list(prompt)
+            if any(t < 0 or t >= srv.vocab_size for t in ids):
+                raise bad(f"prompt token ids must be in [0, {srv.vocab_size})", param="prompt")
+            prompt_text = srv.decode(ids) if req.echo else ""
+        check_length(srv, len(ids), req.max_tokens, "prompt")
+        params = sampling_params(srv, req, req.max_tokens, req.logprobs)
+        compiled = await output_constraint(srv, request, req, None, None)
+        gen = Generation(srv, request, "completions", req, ids, params, compiled)
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return gen.stream(_CompletionStream(gen, req, echo))
+        return gen.stream_response([_CompletionChoice(gen, req, echo, i) for i in range(len(gen.rids))])
 
-    def choice(out: RequestOutput) -> dict[str, Any]:
+    def choice(out: RequestOutput, index: int) -> dict[str, Any]:
         lps = None
         if req.logprobs is not None:
             lps = _logprobs(srv, out, 0, gen.visible_count(out), len(echo))
-        return {"index": 0, "text": echo + out.text, "logprobs": lps, "finish_reason": out.finish_reason}
+        return {"index": index, "text": echo + out.text, "logprobs": lps, "finish_reason": out.finish_reason}
 
     return await gen.respond(request, choice)
 
@@ -67,20 +70,18 @@ def _logprobs(srv: ServerState, out: RequestOutput, start: int, end: int, offset
     return res
 
 
-class _CompletionStream:
-    """The chunks of a streamed completion: the echo, text deltas with their logprobs, then the finish."""
+class _CompletionChoice:
+    """The chunks of one streamed completion choice: the echo with its first token, text deltas with their
+    logprobs, then the finish."""
 
-    def __init__(self, gen: Generation, req: P.CompletionRequest, echo: str) -> None:
-        self.gen, self.want_logprobs, self.echo = gen, req.logprobs is not None, echo
+    def __init__(self, gen: Generation, req: P.CompletionRequest, echo: str, index: int) -> None:
+        self.gen, self.want_logprobs, self.echo, self.index = gen, req.logprobs is not None, echo, index
         self.texts = TextStream(gen.params.stop)
         self.lp_sent, self.offset = 0, len(echo)
+        self.opened = False
 
-    def _chunk(self, text: str, out: RequestOutput | None, lps: dict | None = None, finish=None) -> str:
-        return self.gen.chunk({"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}, out)
-
-    def prelude(self) -> Iterator[str]:
-        if self.echo:
-            yield self._chunk(self.echo, None)
+    def _chunk(self, text: str, lps: dict | None = None, finish=None) -> str:
+        return self.gen.chunk({"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish})
 
     def chunks(self, out: RequestOutput) -> Iterator[str]:
         lps = None
@@ -91,8 +92,11 @@ class _CompletionStream:
                 self.offset += sum(len(t) for t in lps["tokens"])
                 self.lp_sent = visible
         delta = self.texts.delta(out.text, out.finished)
+        if not self.opened:
+            self.opened = True
+            delta = self.echo + delta
         if delta or lps is not None:
-            yield self._chunk(delta, out, lps)
+            yield self._chunk(delta, lps)
 
     def final(self, out: RequestOutput) -> str:
-        return self._chunk("", out, finish=out.finish_reason)
+        return self._chunk("", finish=out.finish_reason)

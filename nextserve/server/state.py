@@ -9,9 +9,9 @@ from typing import Any
 
 from ..engine.async_engine import AsyncEngine
 from .grammar import GrammarBackend
+from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import ServerMetrics
-
-LOG_KEY = "nextserve.log"  # the scope key of a request's structured-log fields
+from .prepare import Preparer
 
 
 @dataclass
@@ -27,13 +27,20 @@ class ServerState:
     eos_token_id: int | None
     max_context: int
     model_path: str
+    limits: ServerLimits
+    prep: Preparer
     defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json sampling defaults
     token_cache: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     byte_decoder: dict[str, int] | None = None
 
     @classmethod
     def for_engine(
-        cls, engine: AsyncEngine, served_model_name: str, api_key: str | None, keepalive_s: float
+        cls,
+        engine: AsyncEngine,
+        served_model_name: str,
+        api_key: str | None,
+        keepalive_s: float,
+        limits: ServerLimits = DEFAULT_LIMITS,
     ) -> ServerState:
         llm = engine.engine
         tokenizer, mc = llm.tokenizer, llm.model_config
@@ -49,6 +56,8 @@ class ServerState:
             eos_token_id=mc.eos_token_id,
             max_context=llm.max_context,
             model_path=str(engine.config.model),
+            limits=limits,
+            prep=Preparer(engine.num_waiting, engine.config.max_pending),
             defaults=_generation_defaults(str(engine.config.model)),
         )
         if tokenizer is not None and _is_byte_level(tokenizer):
@@ -59,9 +68,6 @@ class ServerState:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as token ids")
-        # NOTE: JSON may carry lone UTF-16 surrogates ("\ud800"), which no tokenizer takes; they become
-        # U+FFFD, as a browser would show them.
-        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         except (TypeError, ValueError) as exc:

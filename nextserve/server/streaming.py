@@ -1,17 +1,14 @@
-"""Server-sent events: the response that aborts on disconnect, `data:` framing, keep-alive comments, reading a
-request's output queue, and text deltas that hold back what a stop string may still cut off."""
+"""Server-sent events: the response that aborts on disconnect, `data:` framing, keep-alive comments, and
+text deltas that hold back what a stop string may still cut off."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 from fastapi.responses import StreamingResponse
-
-from ..engine.outputs import RequestOutput
 
 DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n\n"
@@ -53,21 +50,6 @@ class EventStream(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
-
-
-async def outputs(queue: asyncio.Queue, keepalive_s: float | None) -> AsyncIterator[RequestOutput | None]:
-    """The request's outputs (newest only, when several are waiting); None after keepalive_s of quiet."""
-    while True:
-        try:
-            out = await asyncio.wait_for(queue.get(), keepalive_s) if keepalive_s else await queue.get()
-        except TimeoutError:
-            yield None
-            continue
-        while not out.finished and not queue.empty():
-            out = queue.get_nowait()  # outputs are cumulative: the newest carries everything
-        yield out
-        if out.finished:
-            return
 
 
 class TextStream:

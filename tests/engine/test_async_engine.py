@@ -12,6 +12,7 @@ from cpu_flags import CPU_FLAGS
 
 from nextserve.config import EngineConfig
 from nextserve.engine.async_engine import AsyncEngine
+from nextserve.engine.output_stream import OutputStream
 from nextserve.engine.sampling import SamplingParams
 from nextserve.engine.scheduler import QueueFull
 
@@ -38,9 +39,10 @@ def gate_steps(eng: AsyncEngine) -> threading.Event:
     return gate
 
 
-async def finish(queue: asyncio.Queue):
-    while not (out := await asyncio.wait_for(queue.get(), 10)).finished:
-        pass
+async def finish(stream: OutputStream):
+    while not stream.finished:
+        await asyncio.wait_for(stream.next(), 10)
+    (out,) = stream.outputs.values()
     return out
 
 
@@ -88,11 +90,11 @@ def test_failure_on_the_engine_thread_is_an_error_output(engine):
 
 def test_abort_frees_pages_and_slot_before_the_end_is_seen(engine):
     async def run():
-        queue = engine.add_request([5, 6, 7, 8], LONG, "r")
-        for _ in range(3):
-            await queue.get()
+        stream = engine.add_request([5, 6, 7, 8], LONG, "r")
+        while len(getattr(stream.outputs.get("r"), "token_ids", ())) < 3:
+            await stream.next()
         engine.abort("r")
-        out = await finish(queue)
+        out = await finish(stream)
         return out, engine.engine.stats(), "r" in engine.engine.sequences
 
     out, stats, known = asyncio.run(run())
@@ -111,3 +113,76 @@ def test_is_alive_until_shutdown(engine):
 
     with pytest.raises(RuntimeError):
         asyncio.run(late())
+
+
+def test_outputs_arrive_as_deltas_and_add_up_to_the_whole(tiny_model_dir):
+    """The stream's cumulative output equals the synchronous engine's, tokens and logprobs, however the
+    reader's pace splits it into deltas."""
+    from nextserve import LLM
+
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    (want,) = LLM(str(tiny_model_dir), **FLAGS).generate([[5, 6, 7]], params)
+    eng = AsyncEngine(EngineConfig(model=str(tiny_model_dir), **FLAGS))
+    try:
+
+        async def run():
+            stream = eng.add_request([5, 6, 7], params, "d")
+            while not stream.finished:
+                await asyncio.sleep(0.02)  # a reader slower than the steps: deltas merge while unread
+                await stream.next()
+            return stream.outputs["d"]
+
+        got = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in got.logprobs] == [
+        (lp.token_id, lp.logprob, lp.top) for lp in want.logprobs
+    ]
+
+
+@pytest.mark.parametrize("unread, aborted", [(64, False), (40, True)])
+def test_a_reader_too_far_behind_is_aborted(tiny_model_dir, unread, aborted):
+    """A client that reads nothing while 64 tokens arrive: kept at a limit of 64 unread, aborted at 40."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_model_dir), **FLAGS), max_unread=unread)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    try:
+
+        async def run():
+            stream = eng.add_request([5, 6, 7], params, "slow")
+            deadline = time.monotonic() + 30
+            while (eng.num_waiting() or eng.engine.sequences) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # never reads until the engine is done with it
+            await asyncio.sleep(0.05)
+            await stream.next()
+            return stream.outputs["slow"]
+
+        out = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert out.finished and out.finish_reason == ("abort" if aborted else "length")
+    assert (len(out.token_ids) < 64) if aborted else (len(out.token_ids) == 64)
+    assert pool_full(eng.stats())
+
+
+def test_unread_outputs_cost_memory_linear_in_the_output():
+    """6,000 steps of one token with 20 top logprobs each, none read: the stream holds one copy of what is
+    unread (deltas merged), not a copy of the whole output per step (which was 275 MB)."""
+    import tracemalloc
+
+    from nextserve.engine.outputs import RequestOutput
+    from nextserve.engine.sampling import TokenLogprob
+
+    async def run() -> int:
+        stream = OutputStream(asyncio.get_running_loop(), max_unread=10**9)
+        tracemalloc.start()
+        for i in range(6000):
+            lp = TokenLogprob(i, -1.0, [(j, -2.0) for j in range(20)])
+            stream.push(RequestOutput("r", None, [1], [i], "x" * i, logprobs=[lp], offset=i))
+        size, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        (out,) = await stream.next()
+        assert out.token_ids == list(range(6000)) and len(out.logprobs) == 6000
+        return size
+
+    assert asyncio.run(run()) < 30 * 2**20

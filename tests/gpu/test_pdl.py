@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nextserve import LLM, SamplingParams
-from nextserve.ops.triton.common import launch_pdl, set_pdl
+from nextserve.ops.pdl import set_pdl
+from nextserve.ops.triton.common import launch_pdl
 from nextserve.ops.triton.gemv import small_m_linear
 
 pytestmark = [

@@ -5,8 +5,9 @@ import torch
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import ConfigError, EngineConfig
-from nextserve.ops.triton import common
-from nextserve.ops.triton.common import launch_pdl, pdl_args, set_pdl
+from nextserve.ops import pdl as common
+from nextserve.ops.pdl import set_pdl
+from nextserve.ops.triton.common import launch_pdl, pdl_args
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])

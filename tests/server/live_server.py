@@ -20,6 +20,7 @@ from cpu_flags import CPU_FLAGS
 from nextserve.config import EngineConfig
 from nextserve.engine.async_engine import AsyncEngine
 from nextserve.server.app import build_app
+from nextserve.server.limits import DEFAULT_LIMITS, ServerLimits
 
 MODEL_NAME = "tiny-test"
 
@@ -32,6 +33,12 @@ class LiveServer:
     engine: AsyncEngine
     port: int
     api_key: str | None
+    app: Any = None
+
+    @property
+    def state(self):
+        """The app's ServerState."""
+        return self.app.state.nextserve
 
     @property
     def base_url(self) -> str:
@@ -87,12 +94,16 @@ def assert_pool_full(stats: dict[str, int]) -> None:
 
 @contextlib.contextmanager
 def live_server(
-    model_dir, api_key: str | None = None, keepalive_s: float = 5.0, **flags
+    model_dir,
+    api_key: str | None = None,
+    keepalive_s: float = 5.0,
+    limits: ServerLimits = DEFAULT_LIMITS,
+    **flags,
 ) -> Iterator[LiveServer]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine thread and the test client share two cores
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **(BASE_FLAGS | flags)))
-    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s)
+    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s, limits=limits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -110,10 +121,11 @@ def live_server(
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield LiveServer(engine, port, api_key)
+        yield LiveServer(engine, port, api_key, app)
     finally:
         server.should_exit = True
         thread.join(15)
+        app.state.nextserve.prep.close()
         engine.shutdown()
         sock.close()
         torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from nextserve.server.chat import CallArgs, CallStart, ContentDelta, ToolCallParser, parse_tool_calls
+from nextserve.server.tool_calls import CallArgs, CallStart, ContentDelta, ToolCallParser, parse_tool_calls
 
 
 def call(name: str, args: dict | str, raw_args: str | None = None) -> str:

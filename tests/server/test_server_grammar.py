@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nextserve.engine.sampling import SamplingParams, sample_row
-from nextserve.server.chat import parse_tool_calls
 from nextserve.server.grammar import GrammarBackend
+from nextserve.server.tool_calls import parse_tool_calls
 
 pytest.importorskip("xgrammar")
 

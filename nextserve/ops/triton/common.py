@@ -17,34 +17,16 @@ tile counters of one-launch reductions.
 # starts, never what it computes: the bits are the same on or off (tests/gpu/test_pdl.py).
 """
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from ..pdl import _PDL
+
 COUNTERS = 1 << 16  # tile counters of the one-launch split reductions (a call with more tiles uses two)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_PDL = [False]  # on inside an engine's steps with EngineConfig.pdl (ModelRunner); off for direct op calls
-
-
-def set_pdl(on: bool) -> None:
-    """Launch this process's kernels with programmatic dependent launch (where supported)."""
-    _PDL[0] = bool(on)
-
-
-@contextlib.contextmanager
-def pdl_mode(on: bool) -> Iterator[None]:
-    """PDL on or off for the kernels launched inside, then as before (one engine's setting never leaks
-    into another's steps or into direct op calls)."""
-    prev = _PDL[0]
-    _PDL[0] = bool(on)
-    try:
-        yield
-    finally:
-        _PDL[0] = prev
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Chat prompts and tool calls: template rendering, and the Qwen-style `<tool_call>` parser.
+"""The Qwen-style `<tool_call>` parser of a chat answer.
 
 The model writes a tool call as `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`. The parser
 reads the JSON with a scanner that knows JSON strings, so an argument that contains the text
@@ -6,94 +6,20 @@ reads the JSON with a scanner that knows JSON strings, so an argument that conta
 it gives content deltas and tool-call deltas (name first, then argument fragments), which is how the
 stream is built. A whole response is parsed by the same code in one feed, so streamed and non-streamed
 answers always agree.
+
+A call that names a function the request did not declare is not a tool call: its text is content (the
+model made it up; an agent would otherwise run whatever the name says).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
-
-from .protocol import ChatCompletionRequest, ChatMessage
 
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
-
-# Template arguments a client may not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "tokenize", "add_generation_prompt", "conversation"}
-
-
-# ---- rendering ---------------------------------------------------------------------------------------
-
-
-def message_to_template(msg: ChatMessage) -> dict[str, Any]:
-    """One OpenAI message as the chat template expects it."""
-    role = "system" if msg.role == "developer" else msg.role
-    if isinstance(msg.content, list):
-        content: str | None = "\n".join(p.text or "" for p in msg.content)
-    else:
-        content = msg.content
-    out: dict[str, Any] = {"role": role, "content": content}
-    if msg.name is not None:
-        out["name"] = msg.name
-    if msg.tool_calls:
-        # NOTE: arguments stay the JSON text the model wrote (the template inserts a string verbatim), so a
-        # resent turn renders to the very tokens the model produced and the prefix cache can match them.
-        out["tool_calls"] = [
-            {
-                "id": tc.id,
-                "type": "function",
-                "function": {"name": tc.function.name, "arguments": tc.function.arguments},
-            }
-            for tc in msg.tool_calls
-        ]
-    if msg.tool_call_id is not None:
-        out["tool_call_id"] = msg.tool_call_id
-    if msg.reasoning_content:
-        out["reasoning_content"] = msg.reasoning_content
-    return out
-
-
-def tools_for_template(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools the prompt shows the model: none when tool_choice is "none"."""
-    if not req.tools or req.tool_choice == "none":
-        return None
-    return [t.model_dump(exclude_none=True) for t in req.tools]
-
-
-def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> str:
-    """The prompt text; raises ValueError when the template rejects the conversation."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: use /v1/completions")
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
-    try:
-        text = tokenizer.apply_chat_template(
-            [message_to_template(m) for m in req.messages],
-            tools=tools_for_template(req),
-            tokenize=False,
-            add_generation_prompt=req.add_generation_prompt,
-            **kwargs,
-        )
-    except Exception as exc:  # jinja2 errors, raise_exception() in the template
-        raise ValueError(f"the chat template could not render these messages: {exc}") from exc
-    if not isinstance(text, str):
-        raise ValueError("the chat template did not produce text")
-    return text
-
-
-def last_message_start(tokenizer: Any, req: ChatCompletionRequest, ids: list[int]) -> int | None:
-    """Token position where the conversation's last message begins in `ids`, when the earlier turns
-    render to a token prefix of it: a message checkpoint, so a client that rewrites its last message
-    resumes from the turns before it (DESIGN.md section 2)."""
-    if len(req.messages) < 2:
-        return None
-    head = req.model_copy(update={"messages": req.messages[:-1], "add_generation_prompt": False})
-    try:
-        prefix = tokenizer.encode(render_chat(tokenizer, head), add_special_tokens=False)
-    except ValueError:
-        return None
-    return len(prefix) if 0 < len(prefix) < len(ids) and ids[: len(prefix)] == prefix else None
 
 
 # ---- tool-call parsing -------------------------------------------------------------------------------
@@ -228,9 +154,11 @@ class _JsonScanner:
 
 
 class ToolCallParser:
-    """Incremental parser of a response that may hold `<tool_call>` blocks."""
+    """Incremental parser of a response that may hold `<tool_call>` blocks calling `names` (any name when
+    None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self.names = names
         self.buf = ""
         self.state = "content"  # content | head | args | tail | end | fallback
         self.calls: list[ParsedCall] = []
@@ -294,6 +222,9 @@ class ToolCallParser:
                 self.scanner = None
                 return True
             end, name = m  # type: ignore[misc]
+            if not self._declared(name):
+                self._give_back(events)
+                return True
             call = ParsedCall(new_call_id(), name)
             self.calls.append(call)
             events.append(CallStart(len(self.calls) - 1, call.id, name))
@@ -376,6 +307,9 @@ class ToolCallParser:
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and args_key in obj):
             self._give_back(events)
             return True
+        if not self._declared(obj["name"]):
+            self._give_back(events)
+            return True
         args = obj[args_key]
         call = ParsedCall(new_call_id(), obj["name"], args if isinstance(args, str) else json.dumps(args))
         self.calls.append(call)
@@ -384,6 +318,9 @@ class ToolCallParser:
         self.scanner = None
         self.state = "end"
         return True
+
+    def _declared(self, name: str) -> bool:
+        return self.names is None or name in self.names
 
     def _give_back(self, events: list[Event]) -> None:
         """What looked like a tool call is not one: its text is content after all."""
@@ -449,9 +386,9 @@ class ParsedResponse:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def parse_tool_calls(text: str) -> ParsedResponse:
-    """A whole response: its content (None when empty) and its tool calls."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, names: Collection[str] | None = None) -> ParsedResponse:
+    """A whole response: its content (None when empty) and its calls of `names` (any when None)."""
+    parser = ToolCallParser(names)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     return ParsedResponse(content or None, parser.calls)
