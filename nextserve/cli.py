@@ -18,7 +18,8 @@ from .config import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ConfigError, EngineConfig
 ENGINE_FLAG_HELP: dict[str, str] = {
     "model": "model directory (Hugging Face layout: config.json, *.safetensors, tokenizer); "
     "default: the small Flash-Next embedded in the package",
-    "dtype": "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32",
+    "dtype": "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32 "
+    "or float64",
     "device": "auto, cpu, cuda or cuda:N",
     "prefill_chunk": "prompt tokens per prefill step; prefix-cache snapshots lie on this grid",
     "max_concurrency": "most sequences running at once (recurrent-state slots)",
@@ -29,6 +30,19 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "memory_headroom_mib": "GPU memory left free when sizing the KV pool automatically",
     "cpu_kv_budget_mib": "KV pool size on the CPU when kv_capacity is auto",
     "seed": "engine seed for requests that give none",
+    "prefix_cache_images": "sequence images kept for prefix reuse (0: off): a prompt resumes from the "
+    "longest stored prefix on the --prefill-chunk grid (each prompt's last boundary, and the boundary "
+    "before its last message), exactly as a cold run; unused images give way when pages run short",
+    "prefix_anchor_chunks": "with --prefix-cache-images: also keep an image every N chunks of long prompts "
+    "(0: none)",
+    "quantization": "auto: weights as the checkpoint stores them (block-wise FP8 ones stay FP8, read by the "
+    "FP8 kernels); fp8: also quantize a plain checkpoint's projections and experts block-wise on load; none: "
+    "dequantize an FP8 checkpoint to --dtype on load",
+    "ple_table": "where the PLE n-gram table lives (51B parameters in the released model): device, host "
+    "(pinned host memory, its rows read by a kernel over the bus, so decode steps stay CUDA graphs), or auto "
+    "(host when the device has no room for it)",
+    "skip_tokenizer": "serve without a tokenizer: prompts are token ids, answers carry token ids and no text "
+    "(a model directory without a tokenizer needs this flag)",
     "host_state_slots": "prefix images kept in host memory when the device keeps no more "
     "(needs --prefix-cache-images; 0: off); a prompt resumes from them as from device images",
     "host_kv_mib": "host memory (MiB) the host image store may hold",
@@ -139,21 +153,26 @@ def _serve_parser(sub) -> None:
         help="read the API key from the first line of PATH (default: none)",
     )
     server.add_argument(
-        "--served-model-name", default=None, help="the model name clients send (default: the --model value)"
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the --model value; nextserve-default for the "
+        "embedded model)",
     )
     server.add_argument(
         "--keepalive-interval",
         type=float,
         default=5.0,
         metavar="S",
-        help="seconds of quiet (a long prefill) after which a stream gets a `: keep-alive` comment",
+        help="seconds of quiet (a long prefill) after which a stream gets a `: keep-alive` comment "
+        "(default: 5)",
     )
     server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted",
+        help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted "
+        "(default: 30)",
     )
     server.add_argument(
         "--log-level",
@@ -252,11 +271,19 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate from one prompt and stream the text to stdout")
     add_engine_flags(p)
     p.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability (default: 1)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all (default: -1)"
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template (default: off)"
+    )
     p.set_defaults(func=_run_generate)
 
 
@@ -298,22 +325,35 @@ def _make_model_parser(sub) -> None:
     from .model.make_model import PRESETS
 
     p = sub.add_parser("make-model", help="write a random checkpoint in Hugging Face layout")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument(
+        "--preset", required=True, choices=sorted(PRESETS),
+        help="tiny (446K parameters), small, or flash-next (the released widths)",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", choices=["text", "multimodal"], default="text")
-    p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    p.add_argument(
+        "--layout", choices=["text", "multimodal"], default="text",
+        help="text: transformers' Qwen4ExpForCausalLM names (model.*); multimodal: the released layout "
+        "(model.language_model.*, a tiny vision tower) (default: text)",
+    )  # fmt: skip
+    p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights (default: written)")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-        help="dtype of the written tensors (bfloat16 halves a flash-next checkpoint)",
+        help="dtype of the written tensors; bfloat16 halves a flash-next checkpoint (default: float32)",
     )  # fmt: skip
     p.add_argument(
         "--layers", type=int, default=None, metavar="N",
-        help="N decoder layers in Flash-Next's pattern (QSA at i %% 4 == 3); default: the preset's",
+        help="N decoder layers in Flash-Next's pattern (QSA at i %% 4 == 3) (default: the preset's)",
     )  # fmt: skip
     p.add_argument(
         "--ngram-vocab-base", type=int, default=None, metavar="B",
-        help="PLE n-gram rows per head before rounding up to primes (ngram_vocab_size_base)",
+        help="PLE n-gram rows per head before rounding up to primes, ngram_vocab_size_base (default: the "
+        "preset's; the released model's is 20000000)",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantization", choices=["fp8"], default=None,
+        help="fp8: write the projections and experts block-wise FP8 (E4M3, 128 x 128 blocks, "
+        "weight_scale_inv), as Qwen's FP8 releases ship (default: none)",
     )  # fmt: skip
     p.set_defaults(func=_run_make_model)
 
@@ -331,7 +371,7 @@ def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(str(exc))
     out = make_model(
         args.preset, Path(args.out), seed=args.seed, layout=args.layout, with_mtp=not args.no_mtp,
-        overrides=overrides, dtype=getattr(torch, args.dtype),
+        overrides=overrides, dtype=getattr(torch, args.dtype), quantization=args.quantization,
     )  # fmt: skip
     print(out)
     return 0

@@ -75,6 +75,8 @@ class ModelConfig:
     index_share_for_mtp_iteration: bool = False
     layout: str = "text"  # "text" (model.*) or "multimodal" (model.language_model.*)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # config.json's quantization_config as it is (model/quant.py reads it)
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.hidden_size <= 0 or self.num_hidden_layers <= 0 or self.vocab_size <= 0:
@@ -228,6 +230,7 @@ class ModelConfig:
             index_share_for_mtp_iteration=bool(t.get("index_share_for_mtp_iteration", False)),
             layout=layout,
             extra={k: v for k, v in t.items() if k not in known},
+            quantization_config=raw.get("quantization_config", t.get("quantization_config")),
         )
 
     @classmethod
@@ -285,6 +288,9 @@ class EngineConfig:
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
     host_kv_mib: int = 4096  # host memory the host image store may use
+    skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
+    quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
+    ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -306,13 +312,17 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.host_state_slots and not self.prefix_cache_images:
             raise ConfigError("host_state_slots needs prefix_cache_images > 0 (it keeps device spills)")
+        if self.ple_table not in ("auto", "device", "host"):
+            raise ConfigError(f"ple_table must be auto, device or host, got {self.ple_table!r}")
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ConfigError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.speculative_method not in ("off", "ngram", "mtp"):
             raise ConfigError(
                 f"speculative_method must be off, ngram or mtp, got {self.speculative_method!r}"
             )
         if not isinstance(self.speculative_tokens, int) or not 1 <= self.speculative_tokens <= 32:
             raise ConfigError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens!r}")
-        for name in ("cuda_graph", "pdl", "async_scheduling"):
+        for name in ("cuda_graph", "pdl", "async_scheduling", "skip_tokenizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:

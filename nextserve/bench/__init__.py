@@ -1,4 +1,4 @@
-"""`nextserve bench`: the GPU baseline of issue 6, and the yardstick every later kernel is measured with.
+"""`nextserve bench`: prefill and decode speed, memory, energy and the roofline of random Flash-Next weights.
 
 One run, one JSON object (git revision, hardware, command):
 - prefill tok/s and TTFT at each prompt length (one request through the engine: chunked prefill, then the

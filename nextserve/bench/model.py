@@ -10,8 +10,8 @@ import torch
 
 from ..config import DTYPES, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import expected_shapes
 from ..model.make_model import _init, _seed_for, preset_overrides, text_config
+from ..model.shapes import expected_shapes
 
 BENCH_EOS = 2  # make-model's <|im_end|> id; prompts are drawn from ids >= FIRST_PROMPT_ID, so never eos
 _FILL_CHUNK_ELEMS = 1 << 27  # random fill in slices of at most 128M elements (0.5 GB of fp32 temporaries)

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from ..config import ModelConfig
-from ..model.loader import expected_shapes
+from ..model.shapes import expected_shapes
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:

@@ -31,62 +31,88 @@ def log(msg: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="flash-next", help="make-model preset (default: flash-next)")
+    p.add_argument(
+        "--preset", default="flash-next",
+        help="make-model preset of the random weights: tiny, small, flash-next (default: flash-next; "
+        "on a CPU try --preset small --device cpu --concurrency 1 --no-transformers)",
+    )  # fmt: skip
     p.add_argument(
         "--layers", type=int, default=None, metavar="N", help="decoder layers (default: the preset's)"
     )
     p.add_argument(
-        "--ngram-vocab-base", type=int, default=None, metavar="B", help="PLE ngram_vocab_size_base"
+        "--ngram-vocab-base",
+        type=int,
+        default=None,
+        metavar="B",
+        help="PLE ngram_vocab_size_base (default: the preset's)",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu) or a dtype name")
-    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument(
+        "--dtype", default="auto",
+        help="auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32 or float64 (default: auto)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (default: 0)")
     p.add_argument(
         "--prompt-lens", type=int, nargs="+", default=[1024], metavar="L",
-        help="prefill prompt lengths (default: 1024; issue 6 also asks 8192 32768)",
+        help="prefill prompt lengths (default: 1024; agents send 60K: try 1024 8192 62000)",
     )  # fmt: skip
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="B")
-    p.add_argument("--decode-steps", type=int, default=6, help="timed decode steps per concurrency")
     p.add_argument(
-        "--decode-prompt-len", type=int, default=256, help="prompt tokens of each decoding request"
+        "--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="B",
+        help="requests decoding at once, one run each (default: 1 8 32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode-steps", type=int, default=6, help="timed decode steps per concurrency (default: 6)"
     )
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument(
+        "--decode-prompt-len", type=int, default=256,
+        help="prompt tokens of each decoding request (default: 256)",
+    )  # fmt: skip
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk (default: 1024)")
+    p.add_argument("--page-size", type=int, default=64, help="engine KV page size (default: 64)")
     p.add_argument(
         "--transformers", action=argparse.BooleanOptionalAction, default=True,
-        help="also run the workload through transformers' Qwen4ExpForCausalLM",
+        help="also run the workload through transformers' Qwen4ExpForCausalLM (default: on)",
     )  # fmt: skip
     p.add_argument(
         "--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-        help="replay nextserve's decode steps as CUDA graphs (the engine's --cuda-graph)",
+        help="replay nextserve's decode steps as CUDA graphs (the engine's --cuda-graph; default: on)",
     )  # fmt: skip
     p.add_argument(
         "--pdl", action=argparse.BooleanOptionalAction, default=True,
-        help="programmatic dependent launch of nextserve's kernels (the engine's --pdl)",
+        help="programmatic dependent launch of nextserve's kernels (the engine's --pdl; default: on)",
     )  # fmt: skip
     p.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-        help="launch each decode step before reading the previous one's tokens (the engine's flag)",
+        help="launch each decode step before reading the previous one's tokens (the engine's flag; "
+        "default: on)",
     )  # fmt: skip
     p.add_argument(
-        "--profile", action=argparse.BooleanOptionalAction, default=True, help="profile one decode step"
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile one decode step (default: on)",
     )
     p.add_argument(
         "--copy-mib", type=int, default=None, help="copy-bandwidth buffer (default 4096 on cuda, 64 cpu)"
     )
     p.add_argument(
         "--budget-s", type=float, default=300.0,
-        help="prompt lengths beyond the first are skipped once the run would pass this many seconds",
+        help="prompt lengths beyond the first are skipped once the run would pass this many seconds "
+        "(default: 300)",
     )  # fmt: skip
-    p.add_argument("--revision", default=None, help="git revision to record when the tree has no .git")
-    p.add_argument("--out", default=None, help="also write the JSON here (rewritten after every phase)")
+    p.add_argument(
+        "--revision", default=None, help="git revision to record when the tree has no .git (default: none)"
+    )
+    p.add_argument(
+        "--out", default=None, help="also write the JSON here, rewritten after every phase (default: none)"
+    )
 
 
 class _Run:
     def __init__(self, args: argparse.Namespace, command: str) -> None:
         self.args, self.t0 = args, time.perf_counter()
         self.result: dict[str, Any] = {
-            "benchmark": "gpu_baseline",
+            "benchmark": "nextserve_bench",  # + the device it ran on, set when it is known
             "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "command": command,
             "git": git_info(args.revision),
@@ -128,6 +154,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     device = EngineConfig(model=".", device=args.device).torch_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    res["benchmark"] = f"nextserve_bench_{device.type}"
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:

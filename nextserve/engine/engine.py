@@ -12,7 +12,6 @@ from ..cache.prefix import image_points
 from ..cache.states import StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import PipelineRunner, build_stage
 from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
 from ..runtime.windows import plain_greedy
@@ -28,7 +27,7 @@ from .setup import (
     check_pipeline,
     check_state_memory,
     kv_capacity,
-    load_model,
+    load_engine_model,
     load_tokenizer,
     make_proposer,
 )
@@ -46,26 +45,26 @@ class LLMEngine:
         stages = config.pipeline_stages
         if model is None:
             self.model_config = cfg = ModelConfig.from_dir(config.model)
-            self.tokenizer = load_tokenizer(config.model)
+            self.tokenizer = None if config.skip_tokenizer else load_tokenizer(config.model)
         else:
             self.model_config, self.tokenizer = (cfg := model.cfg), None
+        if config.max_context is not None and config.max_context > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"max_context {config.max_context} exceeds the model's {cfg.max_position_embeddings} "
+                "positions (max_position_embeddings in config.json); the model was not trained beyond them"
+            )
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
         if stages > 1:
             ranges, devices = check_pipeline(config, cfg, self.device, model)
             self.device = devices[0]  # stage 0's, where the driver samples
         # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
         steps = config.speculative_tokens if config.speculative_method != "off" else 0
-        mtp = None
+        mtp, self.plan = None, None
         if stages == 1:
             # NOTE: the weights (the MTP block's too) and the state slots (with the keep slots of verify
-            # windows: gigabytes at real widths) are in memory before the KV pool is sized from what is free.
-            self.model = load_model(config, cfg) if model is None else model.eval()
-            if config.speculative_method == "mtp":
-                if model is not None:
-                    raise ConfigError(
-                        "speculative_method mtp loads the MTP block from --model; pass no model"
-                    )
-                mtp = load_mtp(config.model, cfg, self.dtype, self.device)  # ConfigError without mtp.*
+            # windows: gigabytes at real widths) are in memory before the KV pool is sized from what is free;
+            # the memory plan checks that they fit before any of them is read.
+            self.model, mtp, self.plan = load_engine_model(config, cfg, self.device, self.dtype, steps, model)
             check_state_memory(config, cfg, self.device, self.dtype, n_attn, steps)
             self.slots = StateSlots(
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
@@ -79,11 +78,13 @@ class LLMEngine:
         if stages > 1:
             self.model, self.pool, self.slots = build_stage(
                 config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size,
-                self.device, self.max_context, steps,
+                self.device, self.max_context, steps, config.quantization,
             )  # fmt: skip
         else:
             self.model.prepare(self.max_context)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
+            self.plan.kv_tokens = capacity
+            log.info("%s", self.plan.table())
         self.prefix = build_prefix(config, self.pool)
         proposer = make_proposer(config)
         self.spec_drafted = self.spec_accepted = 0

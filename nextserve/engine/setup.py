@@ -13,20 +13,25 @@ from ..cache.prefix import PrefixCache
 from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import load_weights
+from ..model.loader import load_module, meta_device
+from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
 from ..runtime.graph_runner import GraphRunner
+from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
+from .memory_plan import MemoryPlan, module_bytes, plan_memory
 from .speculative import MtpProposer, NgramProposer
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    d = Path(model_dir)
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
 
 
 def load_tokenizer(model_dir: str | Path):
     """The directory's tokenizer (and chat template), or None when it ships none."""
-    if (
-        not (Path(model_dir) / "tokenizer.json").is_file()
-        and not (Path(model_dir) / "tokenizer_config.json").is_file()
-    ):
+    if not has_tokenizer(model_dir):
         return None
     from transformers import PreTrainedTokenizerFast
 
@@ -35,14 +40,45 @@ def load_tokenizer(model_dir: str | Path):
     return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
 
 
-def load_model(config: EngineConfig, cfg: ModelConfig) -> FlashNext:
-    """The directory's weights in a FlashNext on the configured device and dtype."""
+def load_model(config: EngineConfig, cfg: ModelConfig, host: frozenset[str] = frozenset()) -> FlashNext:
+    """The directory's weights in a FlashNext on the configured device and dtype (FP8 projections and
+    experts as the checkpoint or --quantization has them: model/loader.py), the runtime names in `host`
+    in pinned host memory (engine/memory_plan.py)."""
     device, dtype = config.torch_device(), config.torch_dtype()
-    weights = load_weights(Path(config.model), cfg, dtype=dtype, device=device)
-    with torch.device(device):
-        model = FlashNext(cfg).to(dtype)
-    model.load_state_dict(weights, strict=True)
+    with meta_device():
+        model = FlashNext(cfg)
+    load_module(model, config.model, cfg, dtype, device, quantization=config.quantization, host=host)
     return model.eval()
+
+
+def load_engine_model(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, steps: int,
+    model: FlashNext | None,
+) -> tuple[FlashNext, MTP | None, MemoryPlan]:  # fmt: skip
+    """A one-process engine's model (config.model's weights, or `model` as given), its MTP block with
+    --speculative-method mtp, and the memory plan (checked before any weight is read; the weights'
+    figures then those the loaded modules hold)."""
+    mtp_wanted = config.speculative_method == "mtp"
+    if model is not None:
+        if mtp_wanted:
+            raise ConfigError("speculative_method mtp loads the MTP block from --model; pass no model")
+        plan = MemoryPlan(device, headroom=config.memory_headroom_mib * 2**20)
+        plan.weights, model = module_bytes(model), model.eval()
+        return model, None, _with_slots(plan, config, cfg, dtype, steps)
+    plan = plan_memory(config, cfg, device, dtype, steps, with_mtp=mtp_wanted)
+    model = load_model(config, cfg, plan.host)
+    mtp = load_mtp(config.model, cfg, dtype, device, config.quantization) if mtp_wanted else None  # or error
+    plan.weights = module_bytes(model) | ({} if mtp is None else module_bytes(mtp, "mtp."))
+    return model, mtp, plan
+
+
+def _with_slots(plan: MemoryPlan, config: EngineConfig, cfg: ModelConfig, dtype, steps: int) -> MemoryPlan:
+    n_attn = len(cfg.qsa_layers) + 1
+    kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
+    plan.slot_bytes = StateSlots.slot_bytes(cfg, kinds, dtype)
+    plan.slots, plan.keep_slots = 1 + config.max_concurrency, config.max_concurrency * steps
+    plan.kv_per_token = kv_bytes_per_token(cfg, n_attn, dtype)
+    return plan
 
 
 def capture_graphs(

@@ -13,7 +13,7 @@ from ..ops.rope import cos_sin, inv_freq
 from .batch import DecodeBatch, ForwardBatch, WindowBatch
 from .decoder_layer import DecoderLayer
 from .hyper import GatedResidual
-from .params import Weight
+from .params import Projection, Weight
 
 # NOTE: rows of the rotary table past max_position_embeddings: a verify window or an MTP draft chain
 # reaches up to speculative_tokens + 1 (at most 33) positions past a sequence's last one.
@@ -44,9 +44,13 @@ class FlashNext(nn.Module):
         )
         if self.is_last:
             self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
-            self.lm_head = Weight(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = Projection(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
         self.rotary_table: torch.Tensor | None = None  # [P, 2 * rot] cos | sin of every position (prepare)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """The rotary frequencies on device (after a meta-device build: model/loader.materialize)."""
+        self.inv_freq = inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta).to(device)
 
     def prepare(self, max_positions: int | None = None) -> None:
         """After loading weights, before serving: stack the projections and, on CUDA, tabulate the rotary
@@ -130,4 +134,4 @@ class FlashNext(nn.Module):
     def logits(self, streams: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
         """streams [R, nH] (rows to sample from) -> logits [R, V]. The mixer is the last norm."""
         z, _ = self.hyper_connection_mixer.mix(streams, row_invariant)
-        return linear(z, self.lm_head.weight, row_invariant)
+        return linear(z, self.lm_head.operand, row_invariant)

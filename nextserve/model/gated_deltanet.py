@@ -6,11 +6,12 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step, conv_window
+from ..ops.fp8 import Fp8Weight
 from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step, recurrent_window
 from ..ops.linear import linear
 from ..ops.norms import rms_norm_gated
 from .batch import DecodeBatch, ForwardBatch, WindowBatch, cat_rows
-from .params import Weight, fuse_rows, project
+from .params import Projection, Weight, fuse_rows, project
 
 
 class GatedDeltaNet(nn.Module):
@@ -21,18 +22,18 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.eps, self.gate_act = cfg.rms_norm_eps, cfg.output_gate
         H, conv_dim, vdim = cfg.hidden_size, cfg.gdn_conv_dim, self.hv * self.dv
-        self.in_proj_qkv = Weight(conv_dim, H)
-        self.in_proj_z = Weight(vdim, H)
-        self.in_proj_b = Weight(self.hv, H)
-        self.in_proj_a = Weight(self.hv, H)
+        self.in_proj_qkv = Projection(conv_dim, H)
+        self.in_proj_z = Projection(vdim, H)
+        self.in_proj_b = Projection(self.hv, H)
+        self.in_proj_a = Projection(self.hv, H)
         self.conv1d = Weight(conv_dim, 1, cfg.linear_conv_kernel_dim)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.norm = Weight(self.dv)
-        self.out_proj = Weight(H, vdim)
-        self.in_proj: torch.Tensor | None = None  # qkv|z|b|a stacked by fuse()
+        self.out_proj = Projection(H, vdim)
+        self.in_proj: torch.Tensor | Fp8Weight | None = None  # qkv|z|b|a stacked by fuse()
 
-    def _in_parts(self) -> tuple[Weight, ...]:
+    def _in_parts(self) -> tuple[Projection, ...]:
         return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def fuse(self) -> None:
@@ -55,7 +56,7 @@ class GatedDeltaNet(nn.Module):
     def _output(self, o: torch.Tensor, z: torch.Tensor, ri: bool) -> torch.Tensor:
         """o [T, Hv, dv] -> [T, H]."""
         o = rms_norm_gated(o, z, self.norm.weight, self.eps, self.gate_act, ri)
-        return linear(o.reshape(o.shape[0], self.hv * self.dv), self.out_proj.weight, ri)
+        return linear(o.reshape(o.shape[0], self.hv * self.dv), self.out_proj.operand, ri)
 
     def forward(self, u: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ri = batch.row_invariant

@@ -22,12 +22,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from nextserve.config import DTYPES, GDN, QSA, ModelConfig
-from nextserve.model.loader import (
-    INDEX_FILE,
-    PROGRESS_MIN_BYTES,
-    expected_shapes,
-)
+from nextserve.model.checkpoint import INDEX_FILE
+from nextserve.model.loader import PROGRESS_MIN_BYTES
 from nextserve.model.ple import head_vocab_sizes, multipliers
+from nextserve.model.quant import fp8_config_json
+from nextserve.model.shapes import expected_shapes
 from nextserve.model.tokenizer_build import ENDOFTEXT, IM_END, build_tokenizer, default_corpus
 
 TOKENIZER_CORPUS_CHARS = 400_000  # enough text for a few thousand merges; trains in well under a second
@@ -481,11 +480,19 @@ def _write_safetensors(out_dir: Path, tensors: list[_Tensor], shard_mib: float |
             save_file(
                 {t.name: t.make().contiguous() for t in shard}, out_dir / fname, metadata={"format": "pt"}
             )
+            _readable_like_the_rest(out_dir / fname)
             bar.update(sum(t.nbytes for t in shard))
     if shard_mib is not None:
         weight_map = {t.name: fname for fname, shard in zip(names, shards, strict=True) for t in shard}
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _readable_like_the_rest(path: Path) -> None:
+    """The mode of the directory's config.json, which open() made under the umask (safetensors writes 0600
+    through a temporary file)."""
+    like = path.parent / "config.json"
+    path.chmod(like.stat().st_mode & 0o777 if like.is_file() else 0o644)
 
 
 def _token_id(out_dir: Path, token: str) -> int:
@@ -503,13 +510,17 @@ def make_model(
     shard_mib: float | None = None,
     dtype: torch.dtype = torch.float32,
     overrides: dict[str, Any] | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """Write a random checkpoint of `preset` (text fields updated by `overrides`) to out_dir and return it.
 
     layout "text" is transformers' Qwen4ExpForCausalLM layout (`model.*`), "multimodal" the released one
     (`model.language_model.*` plus a tiny vision tower, config `qwen4_exp` with `text_config`).
     The directory gets config.json, generation_config.json, the tokenizer and the safetensors file(s).
+    `quantization="fp8"` writes the projections and experts block-wise FP8 (model/make_fp8.py).
     """
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     if layout not in ("text", "multimodal"):
         raise ValueError(f"layout must be 'text' or 'multimodal', got {layout!r}")
     text = text_config(preset, overrides)
@@ -521,11 +532,17 @@ def make_model(
     text = {"eos_token_id": eos} | text  # an override's eos wins
 
     config = _full_config(text, layout, dtype)
+    if quantization == "fp8":
+        config["quantization_config"] = fp8_config_json()
     cfg = ModelConfig.from_dict(config)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": text["eos_token_id"], "pad_token_id": pad, "bos_token_id": None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     tensors = checkpoint_tensors(cfg, seed, layout, fused_experts, with_mtp, dtype)
+    if quantization == "fp8":
+        from .make_fp8 import quantized
+
+        tensors = quantized(tensors, cfg)
     _write_safetensors(out_dir, tensors, shard_mib)
     return out_dir

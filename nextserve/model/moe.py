@@ -4,10 +4,11 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.fp8 import Fp8Weight
 from ..ops.linear import linear
 from ..ops.moe import experts, route
 from ..ops.pointwise import sigmoid_gate, silu_mul
-from .params import Weight, fuse_rows, project
+from .params import Projection, fp8_parameters, fuse_rows, operand_of, project
 
 
 class Experts(nn.Module):
@@ -17,60 +18,90 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
 
+    def to_fp8(self, name: str) -> None:
+        """Store `gate_up_proj` or `down_proj` in FP8 (params.fp8_parameters)."""
+        fp8_parameters(self, name)
+
+    @property
+    def gate_up(self) -> torch.Tensor | Fp8Weight:
+        return operand_of(self, "gate_up_proj")
+
+    @property
+    def down(self) -> torch.Tensor | Fp8Weight:
+        return operand_of(self, "down_proj")
+
 
 class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         H, I = cfg.hidden_size, cfg.shared_expert_intermediate_size
-        self.gate_proj = Weight(I, H)
-        self.up_proj = Weight(I, H)
-        self.down_proj = Weight(H, I)
+        self.gate_proj = Projection(I, H)
+        self.up_proj = Projection(I, H)
+        self.down_proj = Projection(H, I)
 
     def forward(self, x: torch.Tensor, ri: bool, gate_up=None) -> torch.Tensor:
         """x [T, H] (or its gate and up projections, given) -> [T, H]."""
         if gate_up is None:
-            gate_up = (linear(x, self.gate_proj.weight, ri), linear(x, self.up_proj.weight, ri))
+            gate_up = (linear(x, self.gate_proj.operand, ri), linear(x, self.up_proj.operand, ri))
         g, up = gate_up
-        return linear(silu_mul(g, up, ri), self.down_proj.weight, ri)
+        return linear(silu_mul(g, up, ri), self.down_proj.operand, ri)
 
 
 class SparseMoe(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = Weight(cfg.num_experts, cfg.hidden_size)
+        self.gate = Projection(cfg.num_experts, cfg.hidden_size)
         self.experts = Experts(cfg)
         self.shared_expert = SharedExpert(cfg)
-        self.shared_expert_gate = Weight(1, cfg.hidden_size)
+        self.shared_expert_gate = Projection(1, cfg.hidden_size)
         self.in_proj: torch.Tensor | None = None  # router|shared-expert gate|shared gate|shared up
+        # with an FP8 shared expert and a plain router (they do not stack): router|sg, and gate|up
+        self.router_proj: torch.Tensor | Fp8Weight | None = None
+        self.shared_gate_up: torch.Tensor | Fp8Weight | None = None
         # NOTE: a config property, never a batch one, so a row's bits never depend on the batch (C1)
         self.shared_as_expert = cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
 
-    def _parts(self) -> tuple[Weight, ...]:
+    def _parts(self) -> tuple[Projection, ...]:
         se = self.shared_expert
         return (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
 
     def fuse(self) -> None:
         self.in_proj = fuse_rows(*self._parts())
+        if self.in_proj is None:
+            se = self.shared_expert
+            self.router_proj = fuse_rows(self.gate, self.shared_expert_gate)
+            self.shared_gate_up = fuse_rows(se.gate_proj, se.up_proj)
+
+    def _decode_weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight] | None:
+        """(router|sg rows, the shared expert's gate|up rows) for `_decode`, or None when not fused (or
+        when the shared expert is not stored like the routed ones, so it cannot ride their kernels)."""
+        E = self.gate.weight.shape[0]
+        if self.in_proj is not None:  # NOTE: views of the stack (fuse)
+            fused = self.in_proj[: E + 1], self.in_proj[E + 1 :]
+        elif self.router_proj is not None and self.shared_gate_up is not None:
+            fused = self.router_proj, self.shared_gate_up
+        else:
+            return None
+        kinds = {isinstance(w, Fp8Weight) for w in (fused[1], self.shared_expert.down_proj.operand)}
+        kinds |= {isinstance(w, Fp8Weight) for w in (self.experts.gate_up, self.experts.down)}
+        return fused if len(kinds) == 1 else None
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
-        if ri and self.shared_as_expert and self.in_proj is not None:
-            return self._decode(u)
+        if ri and self.shared_as_expert and (fused := self._decode_weights()) is not None:
+            return self._decode(u, *fused)
         router, sg, g, up = project(u, self._parts(), self.in_proj, ri)
         shared = self.shared_expert(u, ri, (g, up))
         w, ids = route(router, self.top_k, self.norm_topk, ri)
-        routed = experts(u, w, ids, self.experts.gate_up_proj, self.experts.down_proj, ri)
+        routed = experts(u, w, ids, self.experts.gate_up, self.experts.down, ri)
         return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared
 
-    def _decode(self, u: torch.Tensor) -> torch.Tensor:
+    def _decode(self, u: torch.Tensor, router, shared_gate_up) -> torch.Tensor:
         """Row-invariant rows (decode, verify windows) of a fused model (`fuse`) whose shared expert has
         the routed experts' width (Flash-Next: 640 both): it runs as one more routed expert (id E,
         weight sigmoid(sg), added last: the same roundings as sigmoid_gate), so its projections ride the
         grouped expert kernels instead of a GEMV, an activation and a gate of their own."""
-        E, se = self.gate.weight.shape[0], self.shared_expert
-        # NOTE: views of the stack (fuse): router|sg rows, then the shared expert's gate|up rows
-        logits = linear(u, self.in_proj[: E + 1], True)
-        shared_gate_up = self.in_proj[E + 1 :]
+        logits = linear(u, router, True)  # [T, E + 1]: the router's logits, then sg
         w, ids = route(logits, self.top_k, self.norm_topk, True, shared=True)  # [T, k + 1]
-        ex = self.experts
-        return experts(u, w, ids, ex.gate_up_proj, ex.down_proj, True, (shared_gate_up, se.down_proj.weight))
+        ex, se = self.experts, self.shared_expert
+        return experts(u, w, ids, ex.gate_up, ex.down, True, (shared_gate_up, se.down_proj.operand))

@@ -13,7 +13,7 @@ from ..ops.norms import rms_norm
 from .batch import DecodeBatch, ForwardBatch, SeqChunk, WindowBatch
 from .decoder_layer import DecoderLayer
 from .hyper import GatedResidual
-from .params import Weight
+from .params import Projection, Weight
 
 
 class MTP(nn.Module):
@@ -25,8 +25,8 @@ class MTP(nn.Module):
             )
         H = cfg.hidden_size
         self.cfg, self.n, self.hidden, self.eps = cfg, cfg.hc_count, H, cfg.rms_norm_eps
-        self.fc_embedding = Weight(H, H)
-        self.fc_hidden = Weight(H, H)
+        self.fc_embedding = Projection(H, H)
+        self.fc_hidden = Projection(H, H)
         self.pre_fc_norm_embedding = Weight(H)
         self.pre_fc_norm_hidden = Weight(cfg.hc_hidden)
         self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
@@ -47,9 +47,11 @@ class MTP(nn.Module):
         """X0_s = fc_hidden(G-norm_nH(streams))_s + fc_embedding(G-norm_H(next_embed)) -> [T, nH]."""
         T = streams.shape[0]
         h = rms_norm(streams, self.pre_fc_norm_hidden.weight, self.eps)  # joint over all n*H
-        h = linear(h.reshape(T * self.n, self.hidden), self.fc_hidden.weight, ri).view(T, self.n, self.hidden)
+        h = linear(h.reshape(T * self.n, self.hidden), self.fc_hidden.operand, ri).view(
+            T, self.n, self.hidden
+        )
         e = rms_norm(next_embed, self.pre_fc_norm_embedding.weight, self.eps)
-        return (h + linear(e, self.fc_embedding.weight, ri).unsqueeze(1)).flatten(-2)  # [T, nH]
+        return (h + linear(e, self.fc_embedding.operand, ri).unsqueeze(1)).flatten(-2)  # [T, nH]
 
     def forward(
         self, streams: torch.Tensor, next_embed: torch.Tensor, batch: ForwardBatch, rope
@@ -91,7 +93,7 @@ class MTP(nn.Module):
             batch = ForwardBatch(ids, pos, [SeqChunk(cache, position + j, 1)], row_invariant=True)
             embed = F.embedding(ids, model.embed_tokens.weight)
             streams = self(streams, embed, batch, model.rope(pos, streams.dtype, True))
-            logits = linear(self.sample_hidden(streams), model.lm_head.weight, True)
+            logits = linear(self.sample_hidden(streams), model.lm_head.operand, True)
             all_logits.append(logits)
             ids = logits.argmax(dim=-1)
             drafts.append(int(ids.item()))

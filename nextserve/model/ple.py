@@ -8,10 +8,11 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.conv import causal_conv, conv_step, conv_window
+from ..ops.fp8 import Fp8Weight
 from ..ops.norms import rms_norm
-from ..ops.ple import ngram_contexts, ngram_ids, ple_decode_ids, ple_gate
+from ..ops.ple import lookup_rows, ngram_contexts, ngram_ids, ple_decode_ids, ple_gate
 from .batch import DecodeBatch, ForwardBatch, WindowBatch, cat_rows
-from .params import Weight, fuse_rows, project
+from .params import Projection, Weight, fuse_rows, project
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -64,10 +65,16 @@ class NGramEmbedding(nn.Module):
         rows = table_rows(cfg, ple_index)
         # NOTE: recomputed from the config, never loaded: the checkpoint's copies are ignored.
         mult = multipliers(cfg.vocab_size, self.N, ple_index, cfg.seed)
+        self._buffers_of = (mult, sizes, offsets)
         self.register_buffer("mult", torch.tensor(mult, dtype=torch.long), persistent=False)
         self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
         self.ngram_embedding = Weight(rows, cfg.ple_embed_dim // n_heads)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """The hash buffers on device (after a meta-device build: model/loader.materialize)."""
+        for name, values in zip(("mult", "sizes", "offsets"), self._buffers_of, strict=True):
+            setattr(self, name, torch.tensor(values, dtype=torch.long, device=device))
 
     def ids(self, contexts: torch.Tensor) -> torch.Tensor:
         """contexts [T, N] -> table rows [T, n_heads]: order-k heads hash XOR_{i<k} c_i * m_i."""
@@ -86,13 +93,13 @@ class PLE(nn.Module):
         self.N = cfg.ngram_size
         D, nH = cfg.ple_embed_dim, cfg.hc_hidden
         self.ple_embedding = NGramEmbedding(cfg, ple_index)
-        self.key_proj = Weight(nH, D)
-        self.value_proj = Weight(cfg.hidden_size, D)
+        self.key_proj = Projection(nH, D)
+        self.value_proj = Projection(cfg.hidden_size, D)
         self.norm_key = Weight(nH)
         self.norm_query = Weight(nH)
         self.norm_conv = Weight(nH)
         self.conv1d = Weight(nH, 1, cfg.ple_conv_kernel_size)
-        self.kv_proj: torch.Tensor | None = None  # key|value stacked by fuse()
+        self.kv_proj: torch.Tensor | Fp8Weight | None = None  # key|value stacked by fuse()
 
     def fuse(self) -> None:
         self.kv_proj = fuse_rows(self.key_proj, self.value_proj)
@@ -100,7 +107,7 @@ class PLE(nn.Module):
     def _gated(self, ids: torch.Tensor, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Table rows [T, heads], streams x [T, nH] -> (gated value [T, nH], its G-norm: the conv input)."""
         n, H = self.n, self.hidden
-        e_vec = F.embedding(ids, self.ple_embedding.ngram_embedding.weight).flatten(-2)  # [T, D]
+        e_vec = lookup_rows(self.ple_embedding.ngram_embedding.weight, ids).flatten(-2)  # [T, D]
         key, value = project(e_vec, (self.key_proj, self.value_proj), self.kv_proj, ri)
         key = rms_norm(key, self.norm_key.weight, self.eps, H)  # value [T, H]
         query = rms_norm(x, self.norm_query.weight, self.eps, H)

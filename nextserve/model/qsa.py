@@ -11,12 +11,13 @@ from ..ops.attention import (
     paged_sparse_attention,
     select_decode_tokens,
 )
+from ..ops.fp8 import Fp8Weight
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from ..ops.pointwise import rowwise, sigmoid_gate
 from ..ops.rope import apply_rope
 from .batch import DecodeBatch, ForwardBatch, KVView, WindowBatch, cat_rows
-from .params import Weight, fuse_rows, project
+from .params import Projection, Weight, fuse_rows, project
 
 
 class Indexer(nn.Module):
@@ -24,7 +25,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.ni, self.di = cfg.indexer_n_heads, cfg.indexer_head_dim
         self.c, self.topk, self.eps = cfg.indexer_compress_ratio, cfg.block_topk, cfg.rms_norm_eps
-        self.index_qk_proj = Weight((self.ni + 1) * self.di, cfg.hidden_size)
+        self.index_qk_proj = Projection((self.ni + 1) * self.di, cfg.hidden_size)
         self.q_layernorm = Weight(self.di)
         self.k_layernorm = Weight(self.di)
 
@@ -50,7 +51,7 @@ class Indexer(nn.Module):
         """u [T, H] (or its projection qk, given) -> (normed, roped queries [T, Ni, di], raw keys [T, di])."""
         T = u.shape[0]
         if qk is None:
-            qk = linear(u, self.index_qk_proj.weight, ri)
+            qk = linear(u, self.index_qk_proj.operand, ri)
         q = qk[:, : self.ni * self.di].view(T, self.ni, self.di)
         q = apply_rope(rms_norm(q, self.q_layernorm.weight, self.eps), cos, sin)
         return q, qk[:, self.ni * self.di :]
@@ -110,14 +111,14 @@ class QSAttention(nn.Module):
         self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps, self.scaling = cfg.rms_norm_eps, cfg.head_dim**-0.5
         H = cfg.hidden_size
-        self.q_proj = Weight(self.nq * 2 * self.d, H)
-        self.k_proj = Weight(self.nkv * self.d, H)
-        self.v_proj = Weight(self.nkv * self.d, H)
-        self.o_proj = Weight(H, self.nq * self.d)
+        self.q_proj = Projection(self.nq * 2 * self.d, H)
+        self.k_proj = Projection(self.nkv * self.d, H)
+        self.v_proj = Projection(self.nkv * self.d, H)
+        self.o_proj = Projection(H, self.nq * self.d)
         self.q_norm = Weight(self.d)
         self.k_norm = Weight(self.d)
         self.indexer = Indexer(cfg)
-        self.in_proj: torch.Tensor | None = None  # q|k|v|indexer qk stacked by fuse()
+        self.in_proj: torch.Tensor | Fp8Weight | None = None  # q|k|v|indexer qk stacked by fuse()
 
     def fuse(self) -> None:
         self.in_proj = fuse_rows(self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
@@ -139,7 +140,7 @@ class QSAttention(nn.Module):
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor, ri: bool) -> torch.Tensor:
         o = sigmoid_gate(o.reshape(o.shape[0], self.nq * self.d), gate, row_invariant=ri)
-        return linear(o, self.o_proj.weight, ri)
+        return linear(o, self.o_proj.operand, ri)
 
     def forward(self, u: torch.Tensor, batch: ForwardBatch, cos, sin, rotary) -> torch.Tensor:
         ri = batch.row_invariant

@@ -3,23 +3,28 @@
 import torch
 import torch.nn.functional as F
 
+from .fp8 import Fp8Weight
 from .triton import use_kernel
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T -> [T, N].
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, row_invariant: bool = False) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> [T, N]; `weight` may be block-wise FP8 (ops/fp8.py).
 
-    # On CUDA (not float64) the row-invariant path is one Triton kernel call (ops/triton/gemv.py);
-    # this per-row loop is its reference.
+    # On CUDA (not float64) the row-invariant path is one Triton kernel call (ops/triton/gemv.py), which
+    # reads FP8 weights as they are and dequantizes them in registers; this per-row loop is its
+    # reference, on the dequantized weights (FP8's reference and CPU path).
     # NOTE: a GEMM may pick its blocking (and so its reduction order) from the row count, and a
     # GEMV its peeling from the input's address alignment. In row-invariant mode every row is its
     # own call of one shape on a freshly allocated (so equally aligned) copy, so a row's bits never
-    # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does.
+    # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does
+    # (with FP8 weights, on the weights dequantized for the call).
     """
-    if not row_invariant:
-        return F.linear(x, weight)
-    if use_kernel(x):
+    if row_invariant and use_kernel(x):
         from .triton.gemv import small_m_linear
 
         return small_m_linear(x, weight)
+    if isinstance(weight, Fp8Weight):
+        weight = weight.dequantize(x.dtype)
+    if not row_invariant:
+        return F.linear(x, weight)
     return torch.cat([F.linear(x[i : i + 1].clone(), weight) for i in range(x.shape[0])], dim=0)

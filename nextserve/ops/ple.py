@@ -1,5 +1,5 @@
-"""PLE ops: the hashed n-gram context of a token (with eos reset), a decode step's table rows, and the
-key-query gate of the embedded value into the streams.
+"""PLE ops: the hashed n-gram context of a token (with eos reset), a decode step's table rows, the table
+lookup (from device or pinned host memory), and the key-query gate of the embedded value into the streams.
 
 # On CUDA the decode step's context + hash + context update is one Triton kernel, and so is the gate
 # (ops/triton/ple.py), both row-invariant by construction and graph-capturable. The torch code below is
@@ -66,6 +66,20 @@ def ple_decode_ids(
     ids = ngram_ids(ngram_contexts(hist, 1, N, eos)[:, 0], mult, sizes, offsets, per_order)
     ctx_plane.index_copy_(0, slots, hist[:, 1:])
     return ids
+
+
+def lookup_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The table's rows at ids [T, heads] -> [T, heads, D] on ids' device.
+
+    # NOTE: the n-gram table (51B parameters in the released model) may live in pinned host memory
+    # (--ple-table host) while ids are on the GPU: then one Triton launch reads the rows from host memory
+    # directly (zero-copy, through unified addressing), with no host synchronisation, so a decode step
+    # stays one CUDA graph; the values are the same bits F.embedding gives (a copy of each row)."""
+    if ids.is_cuda and not table.is_cuda:
+        from .triton.ple import triton_host_rows
+
+        return triton_host_rows(table, ids)
+    return torch.nn.functional.embedding(ids, table)
 
 
 def ple_gate(

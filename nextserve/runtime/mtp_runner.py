@@ -45,21 +45,26 @@ from ..cache.states import StateSlots
 from ..config import ModelConfig
 from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk, WindowBatch
 from ..model.flash_next import FlashNext
-from ..model.loader import load_weights
+from ..model.loader import load_module, meta_device
 from ..model.mtp import MTP
 from ..ops.linear import linear
 
 
-def load_mtp(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MTP:
+def load_mtp(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "auto",
+) -> MTP:
     """The directory's MTP block (only the mtp.* tensors are read), projections fused; a ConfigError
     naming the directory when its checkpoint has none."""
-    weights = load_weights(
-        Path(model_dir), cfg, range(0), with_embed=False, with_head=False, with_mtp=True,
-        dtype=dtype, device=device,
+    with meta_device():
+        mtp = MTP(cfg)
+    load_module(
+        mtp, model_dir, cfg, dtype, device, layers=range(0), with_embed=False, with_head=False, with_mtp=True,
+        prefix="mtp.", quantization=quantization,
     )  # fmt: skip
-    with torch.device(device):
-        mtp = MTP(cfg).to(dtype)
-    mtp.load_state_dict({name[len("mtp.") :]: w for name, w in weights.items()}, strict=True)
     mtp.fuse_projections()
     return mtp.eval()
 

@@ -23,7 +23,6 @@ import subprocess
 import sys
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,8 @@ from ..cache.states import KindRange, StateSlots
 from ..config import EngineConfig, ModelConfig
 from ..engine.scheduler import Chunk, StepPlan
 from ..model.flash_next import FlashNext
-from ..model.loader import expected_shapes, load_weights
+from ..model.loader import load_module, meta_device
+from ..model.shapes import expected_shapes
 from .decode_rounds import DecodeRounds, DecodeRow
 from .runner import ChunkResult, _describe
 from .stage_channel import StageChannel, free_port
@@ -76,21 +76,23 @@ class StageSetup:
     max_context: int  # the engine's: the positions a stage's rotary table covers
     cuda_graph: bool  # decode steps and verify windows replay CUDA graphs (on a CUDA device)
     window_steps: int  # keep slots per state slot: the speculative tokens per window (0: no speculation)
+    quantization: str  # EngineConfig.quantization
 
 
 def build_stage(
     model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
     page_size: int, device: torch.device | str = "cpu", max_context: int | None = None, window_steps: int = 0,
+    quantization: str = "auto",
 ) -> tuple[FlashNext, KVPool, StateSlots]:  # fmt: skip
     """One stage's layers (with their weights only), state slots (with `window_steps` keep slots each: the
     speculative tokens per verify window) and KV pool."""
     last = layers.stop == cfg.num_hidden_layers
-    weights = load_weights(
-        Path(model_dir), cfg, layers, with_embed=layers.start == 0, with_head=last, dtype=dtype, device=device
-    )
-    with torch.device(device):
-        model = FlashNext(cfg, layers).to(dtype)
-    model.load_state_dict(weights, strict=True)
+    with meta_device():
+        model = FlashNext(cfg, layers)
+    load_module(
+        model, model_dir, cfg, dtype, torch.device(device), layers=layers, with_embed=layers.start == 0,
+        with_head=last, quantization=quantization,
+    )  # fmt: skip
     model.eval().prepare(max_context)
     kinds = KindRange.of(cfg, layers)
     slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds, window_steps=window_steps)
@@ -158,7 +160,7 @@ class PipelineRunner(StageWorker):
             setup = StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
                                pool.page_size, rank, len(stages), port, torch.get_num_threads(),
                                str(devices[rank]), kind, config.pdl, max_context,
-                               config.cuda_graph, slots.window_steps)  # fmt: skip
+                               config.cuda_graph, slots.window_steps, config.quantization)  # fmt: skip
             # NOTE: a session of its own: a terminal's Ctrl-C or a supervisor's signal to the process
             # group reaches the driver only, which then stops the stages in order (`close`).
             proc = subprocess.Popen(

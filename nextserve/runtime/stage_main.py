@@ -37,7 +37,7 @@ def stage_main(setup: StageSetup) -> None:
     channel = StageChannel(setup.rank, setup.world, setup.port)
     model, pool, slots = build_stage(
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
-        setup.page_size, device, setup.max_context, setup.window_steps,
+        setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,
     )  # fmt: skip
     transport = make_transport(setup.transport, channel, device)
     worker = StageWorker(model, pool, slots, channel, transport, device, setup.pdl)

@@ -130,12 +130,15 @@ class Generation:
         n = req.n or 1
         self.rids = [self.rid] if n == 1 else [f"{self.rid}-{i}" for i in range(n)]
         self.index = {rid: i for i, rid in enumerate(self.rids)}
+        # NOTE: a server without a tokenizer has no text to give: its answers always carry token ids
+        self.token_ids = req.return_token_ids or srv.tokenizer is None
         opts = req.stream_options or P.StreamOptions()
         self.include_usage = opts.include_usage
         self.continuous = opts.include_usage and opts.continuous_usage_stats
         fields = request.scope.setdefault(LOG_KEY, {})
         fields.update(endpoint=kind, stream=req.stream, n=n)
         self.tracker = Tracker(srv, fields, self.rid, len(ids))
+        self._ids_sent: dict[str, int] = {}
         self.stream = self._submit(ids, choice_params(params, n), compiled_grammar, checkpoints)
         self.created = int(time.time())
 
@@ -202,6 +205,9 @@ class Generation:
         for out in outs:
             raise_for_failure(out)
         choices = [choice_of(out, i) for i, out in enumerate(outs)]
+        if self.token_ids:
+            for choice, out in zip(choices, outs, strict=True):
+                choice["token_ids"] = list(out.token_ids)
         body = self.envelope(self.object, choices, usage=self.usage())
         return JSONResponse(body, headers={"X-Request-Id": self.rid})
 
@@ -238,7 +244,12 @@ class Generation:
     def stream_response(self, renderers: list[ChoiceRenderer]) -> EventStream:
         return EventStream(self._events(renderers), on_close=self.close, request_id=self.rid)
 
-    def chunk(self, choice: dict[str, Any]) -> str:
+    def chunk(self, choice: dict[str, Any], out: RequestOutput | None = None) -> str:
+        """An SSE chunk of one choice; with token ids asked for, the ids of `out` not sent before."""
+        if self.token_ids and out is not None:
+            sent = self._ids_sent.get(out.request_id, 0)
+            choice["token_ids"] = out.token_ids[sent:]
+            self._ids_sent[out.request_id] = len(out.token_ids)
         body = self.envelope(self.chunk_object, [choice])
         if self.include_usage:
             body["usage"] = self.usage() if self.continuous else None

@@ -15,6 +15,7 @@ import uvicorn
 
 from ..config import ConfigError
 from ..engine.async_engine import AsyncEngine
+from ..engine.setup import has_tokenizer
 from .app import build_app
 from .limits import DEFAULT_LIMITS, ServerLimits
 
@@ -42,6 +43,11 @@ def serve(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     t0 = time.monotonic()
+    if not config.skip_tokenizer and not has_tokenizer(config.model):
+        raise ConfigError(
+            f"{config.model} has no tokenizer (tokenizer.json / tokenizer_config.json): every text request "
+            "would fail. Give --skip-tokenizer to serve token-id prompts only (answers then carry token ids)"
+        )
     sock = bind_socket(host, port)  # NOTE: not listening yet: connections are refused while loading
     try:
         log.info("loading %s", config.model)

@@ -98,6 +98,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: each choice also carries its generated token ids
     # Constrained decoding extensions (vLLM's names); at most one constraint per request.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -107,7 +107,9 @@ class _ChatChoice:
         self.pending: list[dict[str, Any]] = []  # logprobs not sent yet
         self.opened = False
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
+    def _chunk(
+        self, delta: dict[str, Any], finish: str | None = None, out: RequestOutput | None = None
+    ) -> str:
         lps, self.pending = (self.pending or None), []
         choice = {
             "index": self.index,
@@ -115,7 +117,7 @@ class _ChatChoice:
             "logprobs": {"content": lps} if lps is not None else None,
             "finish_reason": finish,
         }
-        return self.gen.chunk(choice)
+        return self.gen.chunk(choice, out)
 
     def chunks(self, out: RequestOutput) -> Iterator[str]:
         if self.want_logprobs:
@@ -137,9 +139,9 @@ class _ChatChoice:
             else:
                 deltas.insert(0, {"role": "assistant", "content": ""})
         for d in deltas:
-            yield self._chunk(d)
+            yield self._chunk(d, out=out)
 
     def final(self, out: RequestOutput) -> str:
         called = self.parser is not None and self.parser.calls
         finish = "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
-        return self._chunk({}, finish)
+        return self._chunk({}, finish, out)

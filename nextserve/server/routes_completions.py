@@ -80,8 +80,11 @@ class _CompletionChoice:
         self.lp_sent, self.offset = 0, len(echo)
         self.opened = False
 
-    def _chunk(self, text: str, lps: dict | None = None, finish=None) -> str:
-        return self.gen.chunk({"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish})
+    def _chunk(
+        self, text: str, lps: dict | None = None, finish=None, out: RequestOutput | None = None
+    ) -> str:
+        choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish}
+        return self.gen.chunk(choice, out)
 
     def chunks(self, out: RequestOutput) -> Iterator[str]:
         lps = None
@@ -95,8 +98,8 @@ class _CompletionChoice:
         if not self.opened:
             self.opened = True
             delta = self.echo + delta
-        if delta or lps is not None:
-            yield self._chunk(delta, lps)
+        if delta or lps is not None or self.gen.token_ids:
+            yield self._chunk(delta, lps, out=out)
 
     def final(self, out: RequestOutput) -> str:
-        return self._chunk("", finish=out.finish_reason)
+        return self._chunk("", finish=out.finish_reason, out=out)

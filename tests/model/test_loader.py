@@ -11,10 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
 
+import nextserve.model.checkpoint as checkpoint
 import nextserve.model.loader as loader
 from nextserve.config import ConfigError, ModelConfig
-from nextserve.model.loader import expected_shapes, load_weights, ple_table_rows
+from nextserve.model.loader import load_weights
 from nextserve.model.make_model import make_model
+from nextserve.model.ple import table_rows as ple_table_rows
+from nextserve.model.shapes import expected_shapes
 
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
@@ -168,13 +171,13 @@ def test_opens_only_needed_files_once(tmp_path: Path, monkeypatch: pytest.Monkey
     model_dir = make_model("tiny", tmp_path / "s", shard_mib=0.02)
     cfg = ModelConfig.from_dir(model_dir)
     opened: list[str] = []
-    real = loader.safe_open
+    real = checkpoint.safe_open
 
     def spy(path, *args, **kwargs):
         opened.append(Path(path).name)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(loader, "safe_open", spy)
+    monkeypatch.setattr(checkpoint, "safe_open", spy)
     load_weights(model_dir, cfg, layers=range(3, 4), with_embed=False, with_head=False)
     weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     needed = {f for name, f in weight_map.items() if name.startswith("model.layers.3.")}

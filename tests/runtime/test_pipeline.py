@@ -353,7 +353,7 @@ def test_auto_kv_capacity_counts_every_stages_weights_and_slots(oracle_config, m
 
     from nextserve.cache.kv_pool import kv_bytes_per_token
     from nextserve.cache.states import KindRange, StateSlots
-    from nextserve.model.loader import expected_shapes
+    from nextserve.model.shapes import expected_shapes
     from nextserve.runtime.pipeline import StageNeeds
     from nextserve.runtime.pipeline import in_stage as _in_stage
 

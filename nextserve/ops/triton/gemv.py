@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import Fp8Weight
 from .common import COUNTERS, launch_pdl, pdl_start, sigmoid, tile_counters, unit_stride
 
 BLOCK_M = 16
@@ -128,6 +129,7 @@ def _small_m_gemm(
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     PRELOAD: tl.constexpr = 0, SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
     MIX_N: tl.constexpr = 0, mix_x_ptr=None, MIX_H=1, stride_mx=0, mix_inv_n=1.0,
+    W_FP8: tl.constexpr = False, s_ptr=None, stride_sn=0, K_BLOCKS=1,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -135,7 +137,8 @@ def _small_m_gemm(
     the partials in split order into out; else round and store to out[rows, cols]. Columns below SILU_COLS
     are stored as silu(y * silu_scale) instead (`_epilogue`). MIX_N > 0 (one split): the N = MIX_N *
     MIX_H columns are the hyper-connection logits of MIX_N streams, and out [M, MIX_H] gets their stream
-    mix with mix_x [M, N] (`_mix_epilogue`)."""
+    mix with mix_x [M, N] (`_mix_epilogue`). W_FP8: W is float8_e4m3fn with float32 scales s [cdiv(N, 128),
+    K_BLOCKS] (row stride stride_sn), each tile dequantized in registers to x's dtype (`_weight_tile`)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -152,22 +155,34 @@ def _small_m_gemm(
         # and an element's dot never depends on its place in the tile, so the logits are the plain GEMV's
         h_col = pid_n * (BLOCK_N // MIX_N) + tl.arange(0, BLOCK_N) // MIX_N
         rn = (tl.arange(0, BLOCK_N) % MIX_N) * MIX_H + h_col
-        mask_n = h_col[None, :] < MIX_H
+        col_ok = h_col < MIX_H
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = rn[None, :] < N
+        col_ok = rn < N
+    mask_n = col_ok[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    if W_FP8:
+        s_rows = s_ptr + (rn // 128) * stride_sn  # [BLOCK_N] each column's row of scales
+    else:
+        s_rows = w_ptr  # unused
+    ty = x_ptr.dtype.element_ty
     # NOTE: the split's first PRELOAD (<= 4) weight tiles are loaded before the PDL wait: no kernel writes
     # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
     # x is fetched for them. They enter the dot exactly as the loop's tiles do (same tiles, same order).
     if PRELOAD > 0:
-        w0 = _weight_tile(w_ptrs, mask_n, k_lo + rk, k_hi)
+        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
     if PRELOAD > 1:
-        w1 = _weight_tile(w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K + rk, k_hi)
+        w1 = _weight_tile(
+            w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     if PRELOAD > 2:
-        w2 = _weight_tile(w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K + rk, k_hi)
+        w2 = _weight_tile(
+            w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     if PRELOAD > 3:
-        w3 = _weight_tile(w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K + rk, k_hi)
+        w3 = _weight_tile(
+            w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     pdl_start(PDL)
     if MIX_N > 0:  # issued before the K loop, used after it
@@ -186,7 +201,8 @@ def _small_m_gemm(
     x_ptrs += PRELOAD * BLOCK_K
     w_ptrs += PRELOAD * BLOCK_K
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
-        acc = _dot_tile(acc, x_ptrs, _weight_tile(w_ptrs, mask_n, k0 + rk, k_hi), mask_m, k0 + rk, k_hi, IEEE)
+        w = _weight_tile(w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
+        acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -219,9 +235,21 @@ def _small_m_gemm(
 
 
 @triton.jit
-def _weight_tile(w_ptrs, mask_n, kk, k_hi):
-    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its columns kk), zeros past k_hi."""
-    return tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
+def _weight_tile(
+    w_ptrs, mask_n, k0, rk, k_hi, W_FP8: tl.constexpr, s_rows, col_ok, K_BLOCKS, ty: tl.constexpr
+):
+    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. FP8: each
+    value times its 128 x 128 block's scale in float32, rounded to ty (ops/fp8.py dequantize's roundings),
+    from the two scale columns a tile of up to 256 K columns starting on a multiple of BLOCK_K can touch."""
+    kk = k0 + rk
+    w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
+    if W_FP8:
+        kb = k0 // 128
+        s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
+        s1 = tl.load(s_rows + tl.minimum(kb + 1, K_BLOCKS - 1), mask=col_ok, other=0.0)  # (past K: unused)
+        s = tl.where((kk // 128 == kb)[:, None], s0[None, :], s1[None, :])
+        w = (w.to(tl.float32) * s).to(ty)
+    return w
 
 
 @triton.jit
@@ -280,7 +308,7 @@ def _sum_splits(
 
 def small_m_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     block_n: int | None = None,
     block_k: int | None = None,
     *,
@@ -303,7 +331,7 @@ def small_m_linear(
     (the hyper-connections' down projection and its activation in one launch; the same bits).
     `preload=False` loads no weight tile before the PDL wait (the same bits; for the benchmark)."""
     x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
-    weight = weight.contiguous()
+    weight, fp8 = _weight_args(weight)
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K, (x.shape, weight.shape)
@@ -315,6 +343,7 @@ def small_m_linear(
     else:
         s, tiles = _splits(N, K, bn, bk, want=splits)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    assert not fp8 or bk <= 256, "an FP8 tile spans at most two 128-column scale blocks"
     pre = _preload(tiles) if preload is not False else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -329,7 +358,7 @@ def small_m_linear(
         x, weight, y, ws, cnt if fixup else ws, M, N, K, tiles * bk, x.stride(0), weight.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=s > 1, FIXUP=fixup, IEEE=x.dtype == torch.float32,
         PDL=pdl, PRELOAD=pre, SILU_COLS=silu_cols, silu_scale=silu_scale, num_warps=warps, num_stages=stages,
-        launch_pdl=pdl,
+        launch_pdl=pdl, **fp8,
     )  # fmt: skip
     if s > 1 and not fixup:
         _sum_splits[(triton.cdiv(M * N, REDUCE_BLOCK),)](
@@ -340,7 +369,7 @@ def small_m_linear(
 
 
 def small_m_linear_mix(
-    x: torch.Tensor, weight: torch.Tensor, xn: torch.Tensor, n: int, hidden: int
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, xn: torch.Tensor, n: int, hidden: int
 ) -> torch.Tensor | None:
     """u [M, hidden] = the stream mix (ops/hyper.py mix_streams, sigmoid gates) of xn [M, n*hidden] by the
     logits x [M, K] @ weight[n*hidden, K]^T, in one launch: the hyper-connections' up projection and mix,
@@ -349,7 +378,7 @@ def small_m_linear_mix(
     as the GEMV's are. None where the weight's configuration does not allow it (K split, or a tile not a
     whole number of positions' streams)."""
     x = unit_stride(x)
-    weight, xn = weight.contiguous(), unit_stride(xn)
+    (weight, fp8), xn = _weight_args(weight), unit_stride(xn)
     M, K = x.shape
     N = weight.shape[0]
     cfg = _config(N, K, x.dtype)
@@ -367,6 +396,18 @@ def small_m_linear_mix(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=False, FIXUP=False,
         IEEE=x.dtype == torch.float32, PDL=pdl, PRELOAD=cfg.preload, MIX_N=n, mix_x_ptr=xn, MIX_H=hidden,
         stride_mx=xn.stride(0), mix_inv_n=1.0 / n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl,
+        launch_pdl=pdl, **fp8,
     )  # fmt: skip
     return u
+
+
+def _weight_args(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, dict]:
+    """The weight values a kernel reads and, for FP8 weights, its scale arguments.
+
+    # NOTE: an FP8 weight runs the configuration of the activations' dtype (`_config(N, K, x.dtype)`, the
+    # one its dequantized 16-bit weight gets) and dequantizes each tile as ops/fp8.py does, so a row's bits
+    # equal the 16-bit kernel's on the dequantized weight; and stay row-invariant as that kernel's do."""
+    if not isinstance(weight, Fp8Weight):
+        return weight.contiguous(), {}
+    q, scale = weight.q.contiguous(), weight.scale.contiguous()
+    return q, dict(W_FP8=True, s_ptr=scale, stride_sn=scale.stride(0), K_BLOCKS=scale.shape[1])

@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import Fp8Weight
 from .common import pdl_args, pdl_start
 from .moe_decode import expert_shapes
 
@@ -186,16 +187,27 @@ def _plan_small(
 
 
 @triton.jit
+def _fp8_tile(w, s_rows, k0, ty: tl.constexpr):
+    """An FP8 weight tile [BLOCK_K, BLOCK_N] (its K columns k0.., inside one 128-column scale block) times
+    its columns' scales (s_rows [BLOCK_N]: each column's row of the expert's scales), rounded to ty: the
+    roundings of ops/fp8.py dequantize."""
+    s = tl.load(s_rows + k0 // 128)
+    return (w.to(tl.float32) * s[None, :]).to(ty)
+
+
+@triton.jit
 def _gate_up(
     x_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, gu_ptr, sgu_ptr, act_ptr, H, I, E_SHARED,
     stride_gu_e, stride_gu_n,
     K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
+    W_FP8: tl.constexpr = False, gus_ptr=None, sgus_ptr=None, stride_gus_e=0, stride_gus_r=0,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
-    (the shared expert; -1: none)."""
+    (the shared expert; -1: none). W_FP8: the weights are float8_e4m3fn, with float32 scales [E, 2I/128,
+    cdiv(H, 128)] at gus_ptr (the shared expert's at sgus_ptr), each tile dequantized in registers."""
     pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -215,6 +227,11 @@ def _gate_up(
     base = tl.where(e == E_SHARED, sgu_ptr, gu_ptr + e.to(tl.int64) * stride_gu_e)
     g_ptrs = base + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
     u_ptrs = g_ptrs + I * stride_gu_n
+    ty = x_ptr.dtype.element_ty
+    if W_FP8:
+        s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
+        gs_rows = s_base + (rn // 128) * stride_gus_r  # [BN] (I is a multiple of 128: up rows follow)
+        us_rows = s_base + ((rn + I) // 128) * stride_gus_r
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -231,6 +248,9 @@ def _gate_up(
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if W_FP8:
+            wg = _fp8_tile(wg, gs_rows, k0, ty)
+            wu = _fp8_tile(wu, us_rows, k0, ty)
         acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -253,8 +273,10 @@ def _down(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
+    W_FP8: tl.constexpr = False, ds_ptr=None, sds_ptr=None, stride_ds_e=0, stride_ds_r=0,
 ):  # fmt: skip
-    """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile)."""
+    """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile).
+    W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`)."""
     pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -271,6 +293,10 @@ def _down(
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sdown_ptr, down_ptr + e.to(tl.int64) * stride_d_e)
     d_ptrs = base + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
+    ty = act_ptr.dtype.element_ty
+    if W_FP8:
+        s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
+        ds_rows = s_base + (rn // 128) * stride_ds_r  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
@@ -283,6 +309,8 @@ def _down(
             mask_k = (k0 + rk) < I
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             wd = tl.load(d_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if W_FP8:
+            wd = _fp8_tile(wd, ds_rows, k0, ty)
         acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         d_ptrs += BLOCK_K
@@ -320,6 +348,25 @@ def _combine(
         out = (out + y).to(dt).to(tl.float32)
         prev = cur
     tl.store(out_ptr + r * H + rh, out.to(dt), mask=mask_h)
+
+
+def _fp8_args(w, shared_w, name: str, shared_name: str, block_k: int, split_rows: int | None):
+    """(routed values, shared values, kernel keywords) of expert weights that may be FP8 (ops/fp8.py):
+    their float8 values and scale pointers and strides; plain weights pass through with no keywords.
+
+    # NOTE: the shared expert's scales are read with the routed experts' strides, like its values."""
+    if not isinstance(w, Fp8Weight):
+        assert not isinstance(shared_w, Fp8Weight), "FP8 shared expert with plain routed experts"
+        return w, shared_w, {}
+    assert isinstance(shared_w, Fp8Weight), "a plain shared expert with FP8 routed experts"
+    # each tile lies in one 128-column scale block; the up rows start on a scale block (gate_up)
+    assert 128 % block_k == 0 and (split_rows is None or split_rows % 128 == 0), (block_k, split_rows)
+    scale, shared_scale = w.scale.contiguous(), shared_w.scale
+    # (no shared expert: shared_w is w itself, a placeholder no block reads)
+    assert shared_w is w or shared_scale.stride() == scale.stride()[1:], "the shared expert's scale strides"
+    keys = {"W_FP8": True, f"{name}_ptr": scale, f"{shared_name}_ptr": shared_scale}
+    keys |= {f"stride_{name}_e": scale.stride(0), f"stride_{name}_r": scale.stride(1)}
+    return w.q.contiguous(), shared_w.q, keys
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
@@ -450,9 +497,11 @@ def _grouped(
 ) -> torch.Tensor:  # fmt: skip
     """The four launches of both entries (sort: how `plan` orders the pairs; shared: expert E's
     weights, planned as one more expert)."""
-    M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
+    gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
+    down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
+    M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
     if shared is not None:  # NOTE: its rows are read with the routed experts' row strides
         assert sgu.shape == gate_up.shape[1:] and sdown.shape == down.shape[1:], (sgu.shape, sdown.shape)
         assert sgu.stride() == gate_up.stride()[1:] and sdown.stride() == down.stride()[1:], "strides"
@@ -476,7 +525,7 @@ def _grouped(
         gate_up.stride(1),
         K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
-        num_warps=warps, num_stages=stages, **pdl_args(x),
+        num_warps=warps, num_stages=stages, **pdl_args(x), **gu_fp8,
     )  # fmt: skip
     yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
     _down[(nb, triton.cdiv(H, block_n_down))](
@@ -484,7 +533,7 @@ def _grouped(
         down.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down,
         EVEN_K=I % block_k_down == 0, EVEN_N=H % block_n_down == 0, DOT_PRECISION=precision,
-        num_warps=warps_down, num_stages=stages_down, **pdl_args(act),
+        num_warps=warps_down, num_stages=stages_down, **pdl_args(act), **down_fp8,
     )  # fmt: skip
     _combine[(M, triton.cdiv(H, block_h_combine))](
         yw, ids, out, H, K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h_combine, **pdl_args(yw),

@@ -146,3 +146,29 @@ def triton_ple_gate(
             math.sqrt(H), BLOCK=min(BLOCK, triton.next_power_of_2(H)), num_warps=NUM_WARPS, **pdl_args(key),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _host_rows(table_ptr, ids_ptr, out_ptr, D, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """out[r] = table[ids[r]] for flat row r; the table may be pinned host memory (read over the bus)."""
+    pdl_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids_ptr + r).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        m = d0 + d < D
+        tl.store(out_ptr + r * D + d0 + d, tl.load(table_ptr + row * D + d0 + d, mask=m), mask=m)
+
+
+def triton_host_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table [R, D] (pinned host memory, or on the device), ids [...] int64 on a CUDA device ->
+    [..., D] on that device: one program per row, no host reads (CUDA-graph capturable)."""
+    assert table.is_contiguous() and (table.is_cuda or table.is_pinned()), "a pinned host table"
+    flat = ids.reshape(-1).contiguous()
+    D = table.shape[1]
+    out = torch.empty((flat.numel(), D), dtype=table.dtype, device=ids.device)
+    if flat.numel():
+        _host_rows[(flat.numel(),)](
+            table, flat, out, D, BLOCK_D=min(1024, triton.next_power_of_2(D)), **pdl_args(out)
+        )  # fmt: skip
+    return out.view(*ids.shape, D)

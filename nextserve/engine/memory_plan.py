@@ -1,0 +1,185 @@
+"""The memory plan of an engine process: its weights by kind and place (FP8 where the checkpoint or
+--quantization has them, the n-gram table on the device or in pinned host memory), its state and keep
+slots, its KV pool and the headroom kept free; checked before any weight is read, and logged at start.
+
+A model that does not fit is a ConfigError before anything big is allocated, naming the flags that would
+make it fit (`--quantization fp8`, `--ple-table host`, `--max-concurrency`, `--kv-capacity`,
+`--pipeline-stages`). `--ple-table auto` puts the table in host memory when the device has no room for it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..cache.kv_pool import kv_bytes_per_token
+from ..cache.states import KindRange, StateSlots
+from ..config import ConfigError, EngineConfig, ModelConfig
+from ..model.loader import SCALE, CheckpointReader, fp8_capable, meta_device
+from ..model.shapes import expected_shapes
+from ..ops.fp8 import scale_shape
+
+GiB = 2**30
+KINDS = ("experts", "dense", "embeddings", "PLE", "MTP")
+SEQUENCE_TOKENS = 65536  # the log says how many sequences of this many tokens the KV pool holds
+
+
+def weight_kind(name: str) -> str:
+    if name.startswith("mtp."):
+        return "MTP"
+    if ".mlp.experts." in name:
+        return "experts"
+    if "ngram_embedding" in name:
+        return "PLE"
+    if name.startswith(("embed_tokens.", "lm_head.")):
+        return "embeddings"
+    return "dense"
+
+
+@dataclass
+class MemoryPlan:
+    device: torch.device
+    fp8: frozenset[str] = frozenset()  # runtime names held in FP8
+    host: frozenset[str] = frozenset()  # runtime names in pinned host memory (the n-gram tables)
+    weights: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, device|host) -> bytes
+    slot_bytes: int = 0
+    slots: int = 0  # state slots (sequences, plus the scratch slot)
+    keep_slots: int = 0
+    kv_per_token: int = 0
+    kv_tokens: int = 0
+    headroom: int = 0
+    free_at_start: int | None = None  # device memory free before loading (CUDA)
+
+    def device_bytes(self) -> int:
+        return sum(b for (_, place), b in self.weights.items() if place == "device")
+
+    def table(self) -> str:
+        """The plan as the start-up log prints it."""
+
+        def gib(b: int) -> str:
+            return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
+
+        free = f", {gib(self.free_at_start)} free at start" if self.free_at_start else ""
+        lines = [f"memory plan ({self.device}{free})"]
+        for place in ("device", "host"):
+            parts = [f"{k} {gib(self.weights[(k, place)])}" for k in KINDS if self.weights.get((k, place))]
+            if parts:
+                held = " (pinned)" if place == "host" else ""
+                lines.append(f"  weights on the {place}{held}: " + ", ".join(parts))
+        if self.fp8:
+            lines.append(f"  FP8 (block-wise E4M3) tensors: {len(self.fp8)}")
+        state = self.slot_bytes * (self.slots + self.keep_slots)
+        lines.append(
+            f"  state slots: {self.slots} x {gib(self.slot_bytes)}"
+            + (f" + {self.keep_slots} keep slots" if self.keep_slots else "")
+            + f" = {gib(state)}"
+        )
+        if self.kv_tokens:
+            kv = self.kv_tokens * self.kv_per_token
+            fit = self.kv_tokens // SEQUENCE_TOKENS
+            lines.append(
+                f"  KV pool: {self.kv_tokens:,} tokens x {self.kv_per_token:,} B = {gib(kv)} "
+                f"({fit} sequences of {SEQUENCE_TOKENS // 1024}K tokens)"
+            )
+        if self.device.type == "cuda":
+            lines.append(f"  headroom (CUDA graphs, activations): {gib(self.headroom)}")
+        return "\n".join(lines)
+
+
+def _predicted_bytes(shapes: dict[str, tuple[int, ...]], fp8: set[str], host: set[str], dtype) -> dict:
+    elem = torch.empty((), dtype=dtype).element_size()
+    out: dict[tuple[str, str], int] = {}
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        b = n + 4 * math.prod(scale_shape(shape)) if name in fp8 else n * elem
+        key = (weight_kind(name), "host" if name in host else "device")
+        out[key] = out.get(key, 0) + b
+    return out
+
+
+def module_bytes(module: nn.Module, prefix: str = "") -> dict[tuple[str, str], int]:
+    """What a loaded module's parameters take, by kind and place (an FP8 tensor's scales with it)."""
+    out: dict[tuple[str, str], int] = {}
+    for name, p in module.named_parameters():
+        rt = prefix + (name[: -len(SCALE)] if name.endswith(SCALE) else name)
+        key = (weight_kind(rt), "host" if not p.is_cuda and p.is_pinned() else "device")
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    return out
+
+
+def plan_memory(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    steps: int,
+    with_mtp: bool,
+) -> MemoryPlan:
+    """The plan of a one-process engine over config.model, before its weights are read: FP8 and host
+    placement decided (as the loader will), the fit checked (ConfigError) on a GPU."""
+    shapes = expected_shapes(cfg, with_mtp=with_mtp)
+    from ..model.flash_next import FlashNext
+    from ..model.mtp import MTP
+
+    with meta_device():
+        capable = fp8_capable(FlashNext(cfg)) | (fp8_capable(MTP(cfg), "mtp.") if with_mtp else set())
+    with ExitStack() as stack:
+        reader = CheckpointReader(Path(config.model), cfg, shapes, stack)
+        fp8 = reader.fp8_names(capable.__contains__, config.quantization, device)
+    n_attn = len(cfg.qsa_layers) + 1
+    kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
+    plan = MemoryPlan(
+        device, frozenset(fp8), slot_bytes=StateSlots.slot_bytes(cfg, kinds, dtype),
+        slots=1 + config.max_concurrency, keep_slots=config.max_concurrency * steps,
+        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype), headroom=config.memory_headroom_mib * 2**20,
+    )  # fmt: skip
+    ple = {n for n in shapes if weight_kind(n) == "PLE"}
+    host = ple if config.ple_table == "host" and device.type == "cuda" else set()
+    if device.type == "cuda":
+        plan.free_at_start, _ = torch.cuda.mem_get_info(device)
+        if config.ple_table == "auto":
+            on_device = _predicted_bytes(shapes, fp8, set(), dtype)
+            if _need(plan, on_device, config) > plan.free_at_start:
+                host = ple
+    plan.host = frozenset(host)
+    plan.weights = _predicted_bytes(shapes, fp8, host, dtype)
+    if device.type == "cuda":
+        _check_fits(plan, config, shapes, dtype, ple)
+    return plan
+
+
+def _need(plan: MemoryPlan, weights: dict, config: EngineConfig) -> int:
+    """Device bytes of weights, slots, headroom and the smallest KV pool (one page, or --kv-capacity)."""
+    kv = config.kv_capacity if config.kv_capacity != "auto" else config.page_size
+    dev = sum(b for (_, place), b in weights.items() if place == "device")
+    return dev + plan.slot_bytes * (plan.slots + plan.keep_slots) + plan.headroom + kv * plan.kv_per_token
+
+
+def _check_fits(plan: MemoryPlan, config: EngineConfig, shapes, dtype, ple: set[str]) -> None:
+    need = _need(plan, plan.weights, config)
+    if need <= plan.free_at_start:
+        return
+    hints = []
+    plain = [n for n in shapes if n not in plan.fp8 and weight_kind(n) in ("experts", "dense", "MTP")]
+    if plain and config.quantization != "fp8" and dtype != torch.float32:
+        saved = sum(math.prod(shapes[n]) for n in plain) * (torch.empty((), dtype=dtype).element_size() - 1)
+        hints.append(f"--quantization fp8 (about {saved / GiB:.0f} GiB less)")
+    if ple and not plan.host:
+        hints.append(
+            f"--ple-table host ({plan.weights.get(('PLE', 'device'), 0) / GiB:.1f} GiB to host memory)"
+        )
+    state = plan.slot_bytes * (plan.slots + plan.keep_slots)
+    hints.append(f"a lower --max-concurrency (the state slots take {state / GiB:.2f} GiB)")
+    if config.kv_capacity != "auto":
+        hints.append("a lower --kv-capacity")
+    hints.append("--pipeline-stages N (the layers split over N GPUs)")
+    raise ConfigError(
+        f"the model does not fit {plan.device}: it needs {need / GiB:.1f} GiB (weights "
+        f"{plan.device_bytes() / GiB:.1f}, state {state / GiB:.2f}, headroom {plan.headroom / GiB:.1f}) and "
+        f"{plan.free_at_start / GiB:.1f} GiB are free. Try " + "; ".join(hints) + f".\n{plan.table()}"
+    )

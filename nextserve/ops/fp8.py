@@ -1,0 +1,95 @@
+"""Block-wise FP8 weights: E4M3 values with one float32 multiplier per 128 x 128 block (w ~= q * s), the
+format of Qwen's and DeepSeek's FP8 releases (`weight_scale_inv`) and of compressed-tensors' FP8_BLOCK
+(`weight_scale`, the same multiplier).
+
+FP8 is a storage format here: kernels read the FP8 values and dequantize them in registers, activations
+stay in the model dtype. `dequantize` is the reference every FP8 kernel is checked against (C4) and the
+CPU path: each block's values times its scale in float32 (float64 when asked: exact), rounded once to the
+activations' dtype, then the op runs as on unquantized weights. A kernel that dequantizes a tile the same
+way and then computes as its 16-bit twin gives that twin's bits on the dequantized weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+BLOCK = 128  # rows and columns of one scale block
+FP8_MAX = 448.0  # the largest finite E4M3 value
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale tensor's shape for weights of `shape` [..., N, K]: [..., ceil(N/128), ceil(K/128)]."""
+    *lead, n, k = shape
+    return (*lead, -(-n // BLOCK), -(-k // BLOCK))
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Weight:
+    """A weight [..., N, K] stored as `q` (float8_e4m3fn) and `scale` ([..., ceil(N/128), ceil(K/128)]
+    float32), what the ops take where they take a weight tensor."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != FP8:
+            raise ValueError(f"FP8 weights are float8_e4m3fn, got {self.q.dtype}")
+        if tuple(self.scale.shape) != scale_shape(tuple(self.q.shape)):
+            raise ValueError(
+                f"scale shape {list(self.scale.shape)} does not fit weights {list(self.q.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.q, self.scale, dtype)
+
+    def __getitem__(self, e: int) -> Fp8Weight:
+        """Expert e of stacked expert weights [E, N, K]."""
+        return Fp8Weight(self.q[e], self.scale[e])
+
+    def rows(self, start: int, stop: int) -> Fp8Weight:
+        """Rows start..stop-1 (start a multiple of 128, so whole scale blocks come along)."""
+        assert start % BLOCK == 0, start
+        return Fp8Weight(self.q[..., start:stop, :], self.scale[..., start // BLOCK : -(-stop // BLOCK), :])
+
+
+def expand_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A scale [..., ceil(n/128), ceil(k/128)] repeated to one value per weight [..., n, k]."""
+    s = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return s[..., :n, :k]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * s block-wise, computed in float32 (float64 for a float64 result: exact) and rounded once."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    n, k = q.shape[-2:]
+    return (q.to(wide) * expand_scale(scale.to(wide), n, k)).to(dtype)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of weights w [..., N, K]: per 128 x 128 block, scale = amax / 448 (1 for an all-zero
+    block) and q = w / scale rounded to E4M3, as transformers' FineGrainedFP8 and vLLM quantize."""
+    *lead, n, k = w.shape
+    rows, cols = scale_shape(tuple(w.shape))[-2:]
+    padded = torch.zeros((*lead, rows * BLOCK, cols * BLOCK), dtype=torch.float32, device=w.device)
+    padded[..., :n, :k] = w.float()
+    blocks = padded.unflatten(-1, (cols, BLOCK)).unflatten(-3, (rows, BLOCK))  # [..., R, 128, C, 128]
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., R, C]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (padded / expand_scale(scale, rows * BLOCK, cols * BLOCK)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q[..., :n, :k].contiguous(), scale
+
+
+def operand(w: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a plain tensor of `dtype` (FP8 weights dequantized): the reference paths' input."""
+    return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w

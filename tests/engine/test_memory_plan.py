@@ -1,0 +1,75 @@
+"""The memory plan: weights by kind and place as loaded (FP8 ones with their scales), the start-up table,
+and a model that does not fit refused before any weight is read, naming the flags that would make it fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextserve import LLM
+from nextserve.config import ConfigError, EngineConfig, ModelConfig
+from nextserve.engine.memory_plan import GiB, MemoryPlan, _check_fits, plan_memory, weight_kind
+from nextserve.model.make_model import make_model
+from nextserve.model.shapes import expected_shapes
+
+
+def test_weight_kinds():
+    assert weight_kind("layers.0.mlp.experts.gate_up_proj") == "experts"
+    assert weight_kind("layers.1.ple.ple_embedding.ngram_embedding.weight") == "PLE"
+    assert weight_kind("embed_tokens.weight") == weight_kind("lm_head.weight") == "embeddings"
+    assert weight_kind("mtp.layer.mlp.experts.down_proj") == "MTP"
+    assert weight_kind("layers.3.self_attn.q_proj.weight") == "dense"
+
+
+def test_the_plan_of_an_fp8_checkpoint(tmp_path, caplog):
+    d = make_model("tiny", tmp_path / "f8", quantization="fp8")
+    cfg = ModelConfig.from_dir(d)
+    config = EngineConfig(model=str(d), device="cpu", dtype="float32")
+    plan = plan_memory(config, cfg, torch.device("cpu"), torch.float32, steps=0, with_mtp=False)
+    assert "layers.3.self_attn.o_proj.weight" in plan.fp8 and "lm_head.weight" not in plan.fp8
+    # predicted bytes: an FP8 tensor is 1 byte a value plus 4 a scale block
+    shapes = expected_shapes(cfg)
+    dense = sum(
+        (s[0] * s[1] + 4 * -(-s[0] // 128) * -(-s[1] // 128)) if n in plan.fp8 else 4 * torch.Size(s).numel()
+        for n, s in shapes.items()
+        if weight_kind(n) == "dense"
+    )
+    assert plan.weights[("dense", "device")] == dense
+    with caplog.at_level("INFO"):
+        llm = LLM(str(d), device="cpu", dtype="float32", max_concurrency=2)
+    table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
+    assert "FP8 (block-wise E4M3) tensors" in table and "KV pool" in table and "state slots: 3 x" in table
+    assert llm.engine.plan.weights[("dense", "device")] == dense  # what the loaded modules hold
+
+
+def test_a_model_that_does_not_fit_is_refused_naming_the_flags():
+    config = EngineConfig(dtype="bfloat16", max_concurrency=32)
+    plan = MemoryPlan(
+        torch.device("cuda", 0), weights={("experts", "device"): 200 * GiB, ("PLE", "device"): 95 * GiB},
+        slot_bytes=110 * 2**20, slots=33, headroom=2 * GiB, kv_per_token=27456, free_at_start=139 * GiB,
+    )  # fmt: skip
+    shapes = {
+        "layers.0.mlp.experts.gate_up_proj": (512, 1280, 2560),
+        "layers.1.ple.ple_embedding.ngram_embedding.weight": (10, 160),
+    }
+    with pytest.raises(ConfigError) as err:
+        _check_fits(
+            plan, config, shapes, torch.bfloat16, {"layers.1.ple.ple_embedding.ngram_embedding.weight"}
+        )
+    msg = str(err.value)
+    for flag in ("--quantization fp8", "--ple-table host", "--max-concurrency", "--pipeline-stages"):
+        assert flag in msg
+    assert "does not fit cuda:0" in msg and "memory plan" in msg
+    plan.free_at_start = 400 * GiB
+    _check_fits(plan, config, shapes, torch.bfloat16, set())  # at 400 GiB free it fits
+
+
+def test_ple_table_flag_values():
+    for good in ("auto", "device", "host"):
+        EngineConfig(ple_table=good)
+    with pytest.raises(ConfigError, match="ple_table"):
+        EngineConfig(ple_table="disk")
+    for good in ("auto", "fp8", "none"):
+        EngineConfig(quantization=good)
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineConfig(quantization="int4")
