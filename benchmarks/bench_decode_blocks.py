@@ -21,7 +21,7 @@ import torch
 from nextserve.bench import git_info, hardware
 from nextserve.model.hyper import GatedResidual
 from nextserve.model.moe import SparseMoe
-from nextserve.ops.triton.common import pdl_mode
+from nextserve.ops.pdl import pdl_mode
 
 REPS, REPLAYS, TRIALS = 16, 10, 7
 CFG = SimpleNamespace(hc_count=4, hidden_size=2560, rms_norm_eps=1e-6, hc_hidden=4 * 2560, hc_lowrank=320,

@@ -30,7 +30,7 @@ import triton.language as tl
 from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.bench.timing import graph_us
 from nextserve.ops.norms import rms_norm
-from nextserve.ops.triton.common import pdl_mode
+from nextserve.ops.pdl import pdl_mode
 from nextserve.ops.triton.gemv import small_m_linear
 
 SHAPES = [  # (what, N, K)

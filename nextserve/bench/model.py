@@ -10,8 +10,11 @@ import torch
 
 from ..config import DTYPES, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
+from ..model.loader import SCALE, fp8_capable, materialize, meta_device
 from ..model.make_model import _init, _seed_for, preset_overrides, text_config
+from ..model.quant import default_fp8
 from ..model.shapes import expected_shapes
+from ..ops.fp8 import BLOCK, quantize
 
 BENCH_EOS = 2  # make-model's <|im_end|> id; prompts are drawn from ids >= FIRST_PROMPT_ID, so never eos
 _FILL_CHUNK_ELEMS = 1 << 27  # random fill in slices of at most 128M elements (0.5 GB of fp32 temporaries)
@@ -37,8 +40,25 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
+def fp8_names(model: FlashNext) -> set[str]:
+    """What `--quantization fp8` holds in FP8 of a model: its projections and experts that model/quant.py's
+    DEFAULT_NOT_CONVERTED converts, the experts when their gate and up rows start on scale blocks."""
+    scheme = default_fp8()
+    aligned = model.cfg.moe_intermediate_size % BLOCK == 0
+    return {
+        n
+        for n in fp8_capable(model)
+        if scheme.converted(n.removesuffix(".weight")) and (aligned or ".mlp.experts." not in n)
+    }
+
+
 def random_flash_next(
-    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    cfg: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    fp8: bool = False,
+    ple_host: bool = False,
 ) -> FlashNext:
     """A whole FlashNext with random weights drawn directly on `device` in `dtype`: no checkpoint.
 
@@ -46,13 +66,19 @@ def random_flash_next(
     distribution make-model gives the tensor of that name (`make_model._init`: 1/sqrt(fan_in) projections,
     unit embeddings, non-zero norm weights), drawn from a generator on the device seeded by (seed, name).
     The values therefore differ from a make-model checkpoint of the same seed; the distributions do not.
-    The parameters are allocated in `dtype` from the start (no float32 copy of a 45 GB model).
+    Each parameter is allocated once, in its final dtype (no float32 copy of a 45 GB model): with `fp8`
+    the projections and experts are block-wise FP8 (`fp8_names`), quantized as drawn, chunk by chunk; with
+    `ple_host` (on a GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
     """
     device = torch.device(device)
-    with default_dtype(dtype), torch.device(device):
+    with meta_device():
         model = FlashNext(cfg)
     shapes = expected_shapes(cfg)
-    params = dict(model.named_parameters())
+    quantized = fp8_names(model) if fp8 else set()
+    host = {n for n in shapes if "ngram_embedding" in n} if ple_host else set()
+    materialize(model, device, dtype, quantized, host)
+    params = {n: p for n, p in model.named_parameters() if not n.endswith(SCALE)}
+    scales = {n[: -len(SCALE)]: p for n, p in model.named_parameters() if n.endswith(SCALE)}
     if set(params) != set(shapes):
         raise RuntimeError(
             f"FlashNext parameters and loader names differ: only in model "
@@ -66,10 +92,19 @@ def random_flash_next(
             gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
             row = max(1, p.numel() // max(1, shape[0]))
             step = max(1, _FILL_CHUNK_ELEMS // row)
+            if name in scales and len(shape) == 2:  # whole 128-row scale blocks a chunk
+                step = max(BLOCK, step // BLOCK * BLOCK)
             for start in range(0, shape[0], step):
                 part = p[start : start + step]
                 with torch.device(device):  # _init draws with torch.randn/rand: on the device's generator
-                    part.copy_(_init(name, tuple(part.shape), gen))
+                    values = _init(name, tuple(part.shape), gen)
+                if name not in scales:
+                    part.copy_(values)
+                    continue
+                q, s = quantize(values)
+                part.copy_(q)
+                first = start if len(shape) == 3 else start // BLOCK  # experts: a chunk of whole experts
+                scales[name][first : first + s.shape[0]].copy_(s)
     return model.eval()
 
 

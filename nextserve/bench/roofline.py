@@ -21,6 +21,8 @@ def decode_step_bytes(
     weight_bytes: int = 2,
     kv_bytes: int = 2,
     state_bytes: int = 4,
+    fp8: frozenset[str] = frozenset(),
+    host: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Bytes one decode step of `concurrency` sequences at `context` tokens each must move in device memory.
 
@@ -33,23 +35,28 @@ def decode_step_bytes(
       read and written), PLE conv history, the indexer's open-block tail; QSA K/V of the selected tokens
       (min(context, budget + c - 1)), compressed indexer keys of every visible block when they must be
       scored (more visible blocks than block_topk); the new token's K/V and raw indexer key written.
-    Activations and logits are not counted (a fused kernel keeps them on chip).
+    Activations and logits are not counted (a fused kernel keeps them on chip). The runtime names in `fp8`
+    are block-wise FP8 (a byte a value and a float32 scale a 128 x 128 block); those in `host` (the n-gram
+    tables in pinned host memory) cross the bus, not device memory, and are counted apart.
     """
     B, t = concurrency, context
     shapes = expected_shapes(cfg)
-    dense = routed = rows = 0
+    dense = routed = rows = host_rows = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
+        elem = 1 + 4 / (128 * 128) if name in fp8 else weight_bytes
         if name == "embed_tokens.weight":
-            rows += B * shape[1] * weight_bytes
+            rows += B * shape[1] * elem
         elif name.endswith("ngram_embedding.weight"):
-            rows += B * cfg.ple_num_heads * shape[1] * weight_bytes
+            ple = B * cfg.ple_num_heads * shape[1] * elem
+            host_rows += ple if name in host else 0
+            rows += 0 if name in host else ple
         elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             per_expert = n // cfg.num_experts
             touched = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, B)
-            routed += touched * per_expert * weight_bytes
+            routed += touched * per_expert * elem
         else:
-            dense += n * weight_bytes
+            dense += n * elem
     nG, nQ, nP = len(cfg.gdn_layers), len(cfg.qsa_layers), len(cfg.ple_layers)
     c = cfg.indexer_compress_ratio
     gdn_conv = (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim * kv_bytes
@@ -76,6 +83,7 @@ def decode_step_bytes(
         "weights_dense": int(dense),
         "weights_routed_experts": int(routed),
         "weights_embedding_rows": int(rows),
+        "host_table_rows_over_the_bus": int(host_rows),
         "expected_distinct_experts_per_layer": round(
             expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, B), 2
         ),
@@ -85,7 +93,9 @@ def decode_step_bytes(
     }
 
 
-def roofline(cfg: ModelConfig, concurrency: int, context: int, bandwidth: float) -> dict[str, Any]:
-    step = decode_step_bytes(cfg, concurrency, context)
+def roofline(
+    cfg: ModelConfig, concurrency: int, context: int, bandwidth: float, fp8=frozenset(), host=frozenset()
+) -> dict[str, Any]:
+    step = decode_step_bytes(cfg, concurrency, context, fp8=fp8, host=host)
     seconds = step["total"] / bandwidth
     return {"bytes_per_step": step, "step_s": seconds, "tok_per_s": round(concurrency / seconds, 1)}

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..cache.kv_pool import kv_bytes_per_token
 from ..config import DTYPES, EngineConfig
 from . import __doc__ as _package_doc
 from .hf import hf_decode, hf_prefill, hf_run, transformers_model
@@ -101,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: 300)",
     )  # fmt: skip
     p.add_argument(
+        "--quantization", choices=["none", "fp8"], default="none",
+        help="fp8: the projections and experts block-wise FP8, read by the FP8 kernels (default: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ple-table", choices=["device", "host"], default="device",
+        help="where the n-gram table lives: device, or pinned host memory (default: device)",
+    )  # fmt: skip
+    p.add_argument(
         "--revision", default=None, help="git revision to record when the tree has no .git (default: none)"
     )
     p.add_argument(
@@ -185,7 +194,9 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     def nextserve_engine():
         t = time.perf_counter()
-        model = random_flash_next(cfg, device, dtype, args.seed)
+        model = random_flash_next(
+            cfg, device, dtype, args.seed, fp8=args.quantization == "fp8", ple_host=args.ple_table == "host"
+        )
         sync(device)
         built = time.perf_counter() - t
         engine = engine_for_model(model, device, dtype, **engine_flags)
@@ -201,6 +212,15 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     decode_prompts = {B: [random_prompt(rng, V, dplen) for _ in range(B)] for B in args.concurrency}
 
     model, engine, built = nextserve_engine()
+    fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    host = frozenset(n for n, p in model.named_parameters() if not p.is_cuda and device.type == "cuda")
+    if device.type == "cuda":  # what is left for KV once the weights, slots and graphs are in
+        free, total = torch.cuda.mem_get_info(device)
+        per_seq = 65536 * kv_bytes_per_token(cfg, len(cfg.qsa_layers) + 1, dtype)
+        res["memory_after_build"] = {
+            "free_bytes": free, "total_bytes": total,
+            "sequences_of_64k_tokens_in_the_free_memory_less_2_GiB": max(0, (free - 2 * 2**30) // per_seq),
+        }  # fmt: skip
     res["model"] = {
         "preset": args.preset,
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -213,7 +233,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "dtype": str(dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda),
+        "host_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_cuda),
+        "quantization": args.quantization,
+        "ple_table": args.ple_table,
+        "fp8_tensors": len(fp8),
         "build_s": round(built, 2),
         "weights": "random, drawn on the device by nextserve.bench.random_flash_next (no checkpoint)",
     }
@@ -232,7 +256,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for B in args.concurrency:
         log(f"nextserve decode concurrency {B}")
         r = ns_decode(engine, decode_prompts[B], steps, meter)
-        r["roofline"] = roofline(cfg, B, round(r["mean_context"]), bandwidth)
+        r["roofline"] = roofline(cfg, B, round(r["mean_context"]), bandwidth, fp8, host)
         r["roofline_fraction"] = round(r["decode_tok_per_s"] / r["roofline"]["tok_per_s"], 5)
         ns["decode"].append(r)
         run.save()

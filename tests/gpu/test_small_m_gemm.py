@@ -93,7 +93,7 @@ def test_mix_epilogue_gives_the_separate_mix_bits(dtype: torch.dtype) -> None:
     """The hyper-connections' up projection with the stream mix in its epilogue (real widths: 4 streams of
     2560, rank 320) equals the GEMV then the mix kernel (bit for bit in 16-bit dtypes), and its rows are
     invariant at every M, alone and in batches, eagerly and replayed from a CUDA graph with PDL."""
-    from nextserve.ops.triton.common import pdl_mode
+    from nextserve.ops.pdl import pdl_mode
     from nextserve.ops.triton.gemv import small_m_linear, small_m_linear_mix
     from nextserve.ops.triton.hyper import triton_mix_streams
 
