@@ -67,11 +67,13 @@ class SparseMoe(nn.Module):
         return (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
 
     def fuse(self) -> None:
-        self.in_proj = fuse_rows(*self._parts())
-        if self.in_proj is None:
-            se = self.shared_expert
-            self.router_proj = fuse_rows(self.gate, self.shared_expert_gate)
-            self.shared_gate_up = fuse_rows(se.gate_proj, se.up_proj)
+        parts = self._parts()
+        if not any(isinstance(p.operand, Fp8Weight) for p in parts):
+            self.in_proj = fuse_rows(*parts)
+            return
+        se = self.shared_expert
+        self.router_proj = fuse_rows(self.gate, self.shared_expert_gate)
+        self.shared_gate_up = fuse_rows(se.gate_proj, se.up_proj)
 
     def _decode_weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight] | None:
         """(router|sg rows, the shared expert's gate|up rows) for `_decode`, or None when not fused (or
@@ -101,7 +103,10 @@ class SparseMoe(nn.Module):
         the routed experts' width (Flash-Next: 640 both): it runs as one more routed expert (id E,
         weight sigmoid(sg), added last: the same roundings as sigmoid_gate), so its projections ride the
         grouped expert kernels instead of a GEMV, an activation and a gate of their own."""
-        logits = linear(u, router, True)  # [T, E + 1]: the router's logits, then sg
+        if isinstance(router, Fp8Weight):  # (an FP8 router: its stack pads the router's rows)
+            logits = torch.cat(project(u, (self.gate, self.shared_expert_gate), router, True), dim=-1)
+        else:
+            logits = linear(u, router, True)  # [T, E + 1]: the router's logits, then sg
         w, ids = route(logits, self.top_k, self.norm_topk, True, shared=True)  # [T, k + 1]
         ex, se = self.experts, self.shared_expert
         return experts(u, w, ids, ex.gate_up, ex.down, True, (shared_gate_up, se.down_proj.operand))

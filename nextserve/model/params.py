@@ -51,36 +51,56 @@ class Projection(Weight):
 def fuse_rows(*holders: Weight) -> torch.Tensor | Fp8Weight | None:
     """Stack the weights [N_i, K] of projections that read the same input into one [sum N_i, K], each
     holder's weight becoming a view of its rows: one GEMV launch instead of several in a decode step, and
-    no second copy of the weights. Returns the stack; None (nothing changed) when the holders do not stack:
-    FP8 and plain weights together, or FP8 ones whose boundaries split a 128-row scale block."""
+    no second copy of the weights. Returns the stack; None (nothing changed) for FP8 and plain weights
+    together.
+
+    # NOTE: FP8 weights stack with each holder's rows padded to a whole 128-row scale block (zero rows,
+    # inside that block's scale), so every holder's scales stay its own: the GDN's 48-row b and a cost 160
+    # padding rows of 16,640, and `project` drops the padding columns."""
     ops = [h.operand for h in holders]
     fp8 = [isinstance(w, Fp8Weight) for w in ops]
     if not any(fp8):
         fused = torch.cat([h.weight.data for h in holders])
-        _share_rows(holders, fused, "weight")
+        _share_rows(holders, fused, "weight", [h.weight.shape[0] for h in holders])
         return fused
-    if not all(fp8) or any(h.weight.shape[0] % BLOCK for h in holders[:-1]):
+    if not all(fp8):
         return None
-    q = torch.cat([h.weight.data for h in holders])
+    rows = padded_rows(holders)
+    q = torch.zeros((sum(rows), holders[0].weight.shape[1]), dtype=FP8, device=holders[0].weight.device)
+    start = 0
+    for h, n in zip(holders, rows, strict=True):
+        q[start : start + h.weight.shape[0]].copy_(h.weight.data)
+        start += n
     scale = torch.cat([h.weight_scale_inv.data for h in holders])
-    _share_rows(holders, q, "weight")
-    _share_rows(holders, scale, "weight_scale_inv", block=BLOCK)
+    _share_rows(holders, q, "weight", rows)
+    _share_rows(holders, scale, "weight_scale_inv", [n // BLOCK for n in rows[:-1]] + [-1])
     return Fp8Weight(q, scale)
 
 
-def _share_rows(holders, fused: torch.Tensor, name: str, block: int = 1) -> None:
+def padded_rows(holders) -> list[int]:
+    """Each holder's rows in an FP8 stack: all but the last rounded up to whole 128-row blocks."""
+    ns = [h.weight.shape[0] for h in holders]
+    return [-(-n // BLOCK) * BLOCK for n in ns[:-1]] + ns[-1:]
+
+
+def _share_rows(holders, fused: torch.Tensor, name: str, strides: list[int]) -> None:
+    """Each holder's `name` becomes a view of its rows of `fused` (holder i's start after strides[:i];
+    its own length as before: padding rows are no holder's)."""
     start = 0
-    for h in holders:
+    for h, step in zip(holders, strides, strict=True):
         p = getattr(h, name)
-        n = -(-h.weight.shape[0] // block)
+        n = p.shape[0]
         p.data = fused[start : start + n]
-        start += n
+        start += step
 
 
 def project(
     x: torch.Tensor, holders: tuple[Weight, ...], stacked: torch.Tensor | Fp8Weight | None, ri: bool
 ) -> tuple[torch.Tensor, ...]:
     """x through each holder's projection: one GEMV over their `fuse_rows` stack when there is one."""
+    if isinstance(stacked, Fp8Weight):
+        parts = linear(x, stacked, ri).split(padded_rows(holders), dim=-1)
+        return tuple(p[:, : h.weight.shape[0]] for p, h in zip(parts, holders, strict=True))
     if stacked is not None:
         return linear(x, stacked, ri).split([h.weight.shape[0] for h in holders], dim=-1)
     return tuple(linear(x, h.operand, ri) for h in holders)

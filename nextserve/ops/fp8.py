@@ -5,8 +5,12 @@ format of Qwen's and DeepSeek's FP8 releases (`weight_scale_inv`) and of compres
 FP8 is a storage format here: kernels read the FP8 values and dequantize them in registers, activations
 stay in the model dtype. `dequantize` is the reference every FP8 kernel is checked against (C4) and the
 CPU path: each block's values times its scale in float32 (float64 when asked: exact), rounded once to the
-activations' dtype, then the op runs as on unquantized weights. A kernel that dequantizes a tile the same
-way and then computes as its 16-bit twin gives that twin's bits on the dequantized weights.
+activations' dtype, then the op runs as on unquantized weights. The kernels dequantize each tile the same
+way and then compute as their 16-bit twins do: in float32 (and in Triton's interpreter) that gives the
+twin's bits on the dequantized weights; in 16-bit dtypes on the H200 the compiler lowers a dot fed from
+registers differently from one fed from memory, so there it is close, not equal
+(tests/ops/test_fp8_kernels.py). Rows stay invariant either way: the tiling is the twin's, a function of
+the weight's shape alone.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[..., :n, :k] = w.float()
     blocks = padded.unflatten(-1, (cols, BLOCK)).unflatten(-3, (rows, BLOCK))  # [..., R, 128, C, 128]
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., R, C]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # NOTE: a tensor divisor, never the scalar 448: CUDA divides by a scalar as a product with its
+    # reciprocal, which rounds differently from the CPU's division (and from every other quantizer)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (padded / expand_scale(scale, rows * BLOCK, cols * BLOCK)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q[..., :n, :k].contiguous(), scale
 

@@ -1,7 +1,8 @@
 """FP8 and the host n-gram table end to end on a GPU: an FP8 checkpoint's engine (projections and experts
-read as FP8 by the kernels) gives the bits of the same checkpoint dequantized on load, with CUDA graphs and
-eagerly, batched and alone, greedy and seeded, with n-gram speculation; the n-gram table in pinned host
-memory gives the bits of the table on the device."""
+read as FP8 by the kernels) gives the same bits with CUDA graphs and eagerly, synchronous and async,
+batched and alone, greedy and seeded, with n-gram speculation (C1), and follows the checkpoint dequantized
+on load (whose projections stack otherwise, so its GEMMs differ in order: close, not equal); the n-gram
+table in pinned host memory gives the bits of the table on the device."""
 
 import pytest
 import torch
@@ -45,13 +46,17 @@ def _run(model_dir, **flags):
     return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs]
 
 
-def test_fp8_engine_equals_its_dequantized_weights(fp8_dir):
+def test_fp8_engine_modes_give_the_same_bits(fp8_dir):
     fp8, want = _run(fp8_dir)
     m = fp8.engine.model
     assert m.layers["0"].mlp.experts.gate_up_proj.dtype == FP8
     assert m.layers["3"].self_attn.o_proj.weight.dtype == FP8
+    assert m.layers["0"].linear_attn.in_proj.q.dtype == FP8  # qkv|z|b|a: one padded FP8 stack
     _, none = _run(fp8_dir, quantization="none")
-    assert none == want
+    (tokens, lps), (none_tokens, none_lps) = want[0], none[0]
+    same = next((i for i, (a, b) in enumerate(zip(tokens, none_tokens, strict=True)) if a != b), len(tokens))
+    assert same >= 8, (tokens, none_tokens)
+    assert max(abs(a - b) for a, b in zip(lps[:same], none_lps[:same], strict=True)) < 0.1
     _, eager = _run(fp8_dir, cuda_graph=False)
     assert eager == want
     _, sync = _run(fp8_dir, async_scheduling=False)
@@ -69,11 +74,20 @@ def test_fp8_engine_with_ngram_speculation(fp8_dir):
 
 
 def test_quantization_fp8_on_load(tmp_path):
-    plain = make_model("small", tmp_path / "plain", overrides=OVERRIDES, dtype=torch.bfloat16)
+    """--quantization fp8 quantizes on the GPU what make-model quantizes on the CPU, bit for bit: the same
+    scales and the same E4M3 codes (ops/fp8.quantize divides by a tensor: see its NOTE)."""
+    plain = make_model("small", tmp_path / "plain", overrides=OVERRIDES)  # float32 draws, as the FP8 one's
     fp8 = make_model("small", tmp_path / "fp8", overrides=OVERRIDES, quantization="fp8")
-    _, on_load = _run(plain, quantization="fp8")
-    _, written = _run(fp8)
-    assert on_load == written
+    on_load, outs = _run(plain, quantization="fp8")
+    written, want = _run(fp8)
+    a = dict(on_load.engine.model.named_parameters())
+    for name, p in written.engine.model.named_parameters():
+        assert (
+            torch.equal(a[name].view(torch.uint8), p.view(torch.uint8))
+            if p.dtype == FP8
+            else torch.equal(a[name], p)
+        )
+    assert outs == want
 
 
 def test_ple_table_in_host_memory_gives_the_device_bits(small_model_dir):

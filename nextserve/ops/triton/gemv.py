@@ -405,8 +405,9 @@ def _weight_args(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, dict]:
     """The weight values a kernel reads and, for FP8 weights, its scale arguments.
 
     # NOTE: an FP8 weight runs the configuration of the activations' dtype (`_config(N, K, x.dtype)`, the
-    # one its dequantized 16-bit weight gets) and dequantizes each tile as ops/fp8.py does, so a row's bits
-    # equal the 16-bit kernel's on the dequantized weight; and stay row-invariant as that kernel's do."""
+    # one its dequantized 16-bit weight gets) and dequantizes each tile as ops/fp8.py does: rows stay
+    # invariant as that kernel's do (its numerics are a function of (N, K, dtype) alone); the bits equal the
+    # 16-bit kernel's on the dequantized weight in float32, and are close in 16-bit dtypes (ops/fp8.py)."""
     if not isinstance(weight, Fp8Weight):
         return weight.contiguous(), {}
     q, scale = weight.q.contiguous(), weight.scale.contiguous()
