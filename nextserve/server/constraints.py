@@ -5,6 +5,7 @@ size, and --grammar-timeout."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,40 +24,40 @@ log = logging.getLogger("nextserve.server")
 def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[tuple[str, Callable, int]]:
     """(field, compile function, schema nodes) of every constraint the request asks for."""
     g = srv.grammar
-    asks: list[tuple[str, Callable[[], Any], int]] = []
+    compile_of = {
+        "json": g.compile_json_schema,
+        "regex": g.compile_regex,
+        "grammar": g.compile_ebnf,
+        "choice": g.compile_choice,
+    }
+    wanted: list[tuple[str, str, Any]] = []  # (field, kind, value)
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
-        asks.append(("response_format", g.compile_json_object, 1))
+        wanted.append(("response_format", "json", {"type": "object"}))
     elif rf is not None and rf.type == "json_schema":
-        schema = rf.json_schema.schema_ if rf.json_schema else None
-        asks.append(("response_format", lambda: g.compile_json_schema(schema), P.schema_nodes(schema)))
-    if req.guided_json is not None:
-        schema = P.load_schema(req.guided_json)
-        asks.append(("guided_json", lambda: g.compile_json_schema(schema), P.schema_nodes(schema)))
-    if req.guided_regex is not None:
-        asks.append(("guided_regex", lambda: g.compile_regex(req.guided_regex), 0))
-    if req.guided_grammar is not None:
-        asks.append(("guided_grammar", lambda: g.compile_ebnf(req.guided_grammar), 0))
-    if req.guided_choice is not None:
-        asks.append(("guided_choice", lambda: g.compile_choice(req.guided_choice), 0))
+        wanted.append(("response_format", "json", rf.json_schema.schema_ if rf.json_schema else None))
+    for kind in compile_of:
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            wanted.append((f"guided_{kind}", kind, value))
     so = req.structured_outputs
-    if so is not None:
-        if so.json_ is not None:
-            schema = P.load_schema(so.json_)
-            asks.append(("structured_outputs", lambda: g.compile_json_schema(schema), P.schema_nodes(schema)))
-        elif so.regex is not None:
-            asks.append(("structured_outputs", lambda: g.compile_regex(so.regex), 0))
-        elif so.grammar is not None:
-            asks.append(("structured_outputs", lambda: g.compile_ebnf(so.grammar), 0))
-        else:
-            asks.append(("structured_outputs", lambda: g.compile_choice(so.choice), 0))
+    for kind in compile_of if so is not None else ():
+        value = getattr(so, "json_" if kind == "json" else kind)
+        if value is not None:
+            wanted.append(("structured_outputs", kind, value))
+    asks: list[tuple[str, Callable[[], Any], int]] = []
+    for field, kind, value in wanted:
+        if kind == "json":
+            value = P.load_schema(value)
+        nodes = P.schema_nodes(value) if kind == "json" else 0
+        asks.append((field, functools.partial(compile_of[kind], value), nodes))
     forced_tools = tools and (tool_choice == "required" or isinstance(tool_choice, P.NamedToolChoice))
     if forced_tools:
         forced = tool_choice.function.name if isinstance(tool_choice, P.NamedToolChoice) else None
         parallel = bool(getattr(req, "parallel_tool_calls", True))
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
         nodes = sum(P.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
-        asks.append(("tool_choice", lambda: g.compile_tool_calls(tools, forced, parallel), nodes))
+        asks.append(("tool_choice", functools.partial(g.compile_tool_calls, tools, forced, parallel), nodes))
     return asks
 
 
