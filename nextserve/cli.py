@@ -185,31 +185,30 @@ def _serve_parser(sub) -> None:
     p.set_defaults(func=_run_serve)
 
 
+# (flag, ServerLimits field, type, metavar, help): `nextserve serve`'s request limits
+_LIMIT_FLAGS = (
+    ("--max-request-mib", "max_request_mib", float, "MIB",
+     "request bodies larger than this are answered 413"),
+    ("--max-schema-depth", "max_schema_depth", int, "N",
+     "deepest nesting of a JSON schema's objects and arrays"),
+    ("--max-schema-nodes", "max_schema_nodes", int, "N",
+     "most objects and arrays in the JSON schemas one request compiles into a grammar (guided_json, "
+     "response_format, forced tools)"),
+    ("--max-grammar-bytes", "max_grammar_bytes", int, "N",
+     "largest guided_regex, guided_grammar or guided_choice list"),
+    ("--grammar-timeout", "grammar_timeout_s", float, "S",
+     "a grammar compile that runs longer is answered 400"),
+)  # fmt: skip
+
+
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    from .server.limits import DEFAULT_LIMITS as d
+    from .server.limits import DEFAULT_LIMITS
 
     limits = p.add_argument_group("request limits")
-    limits.add_argument(
-        "--max-request-mib", type=float, default=d.max_request_mib, metavar="MIB",
-        help=f"request bodies larger than this are answered 413 (default: {d.max_request_mib:g})",
-    )  # fmt: skip
-    limits.add_argument(
-        "--max-schema-depth", type=int, default=d.max_schema_depth, metavar="N",
-        help=f"deepest nesting of a JSON schema's objects and arrays (default: {d.max_schema_depth})",
-    )  # fmt: skip
-    limits.add_argument(
-        "--max-schema-nodes", type=int, default=d.max_schema_nodes, metavar="N",
-        help="most objects and arrays in the JSON schemas one request compiles into a grammar "
-        f"(guided_json, response_format, forced tools; default: {d.max_schema_nodes})",
-    )  # fmt: skip
-    limits.add_argument(
-        "--max-grammar-bytes", type=int, default=d.max_grammar_bytes, metavar="N",
-        help=f"largest guided_regex, guided_grammar or guided_choice list (default: {d.max_grammar_bytes})",
-    )  # fmt: skip
-    limits.add_argument(
-        "--grammar-timeout", type=float, default=d.grammar_timeout_s, metavar="S",
-        help=f"a grammar compile that runs longer is answered 400 (default: {d.grammar_timeout_s:g})",
-    )  # fmt: skip
+    for flag, name, kind, metavar, text in _LIMIT_FLAGS:
+        default = getattr(DEFAULT_LIMITS, name)
+        help_text = f"{text} (default: {default:g})"
+        limits.add_argument(flag, type=kind, default=default, metavar=metavar, dest=name, help=help_text)
 
 
 def _api_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
@@ -237,13 +236,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     api_key = _api_key(args, parser)
     try:
         config = engine_config_from_args(args)
-        limits = ServerLimits(
-            max_request_mib=args.max_request_mib,
-            max_schema_depth=args.max_schema_depth,
-            max_schema_nodes=args.max_schema_nodes,
-            max_grammar_bytes=args.max_grammar_bytes,
-            grammar_timeout_s=args.grammar_timeout,
-        )
+        limits = ServerLimits(**{name: getattr(args, name) for _, name, *_ in _LIMIT_FLAGS})
     except (ConfigError, TypeError, ValueError) as exc:
         parser.error(str(exc))
     from .server.lifecycle import serve

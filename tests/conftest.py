@@ -58,15 +58,9 @@ def oracle_config():
 def oracle_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """transformers' reference model on hf_oracle.TINY (seed 0, token ids only, eos 1), saved as a model
     directory; lm_head scaled by 30 so greedy decoding is not decided by near-ties."""
-    import torch
-    from hf_oracle import TINY, hf_model
+    from hf_oracle import TINY, save_hf_model
 
-    hf = hf_model(TINY, seed=0)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(30)
-    out = tmp_path_factory.mktemp("oracle_tiny")
-    hf.save_pretrained(out)
-    return out
+    return save_hf_model(TINY, 0, tmp_path_factory.mktemp("oracle_tiny"))
 
 
 MAX_ENGINE_STEPS = 5000

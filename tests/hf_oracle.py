@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 TINY = dict(
@@ -50,6 +52,16 @@ def hf_model(cfg: dict, seed: int, dtype: torch.dtype = torch.float32):
                 p.normal_(0.0, 1.0)
     model.set_experts_implementation("eager")
     return model.to(dtype).eval()
+
+
+def save_hf_model(cfg: dict, seed: int, out: Path) -> Path:
+    """transformers' reference model of cfg saved as a model directory at out, its lm_head scaled by 30 so
+    greedy decoding is not decided by near-ties."""
+    hf = hf_model(cfg, seed)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30)
+    hf.save_pretrained(out)
+    return out
 
 
 def runtime_state(hf) -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ import torch
 
 from ..config import DTYPES, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import SCALE, fp8_capable, materialize, meta_device
+from ..model.loader import fp8_capable, materialize, meta_device
 from ..model.make_model import _init, _seed_for, preset_overrides, text_config
+from ..model.params import SCALE
 from ..model.quant import default_fp8
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import BLOCK, quantize

@@ -20,7 +20,8 @@ from torch import nn
 from ..cache.kv_pool import kv_bytes_per_token
 from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
-from ..model.loader import SCALE, CheckpointReader, fp8_capable, meta_device
+from ..model.loader import CheckpointReader, model_fp8_capable
+from ..model.params import SCALE
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import scale_shape
 
@@ -112,6 +113,19 @@ def module_bytes(module: nn.Module, prefix: str = "") -> dict[tuple[str, str], i
     return out
 
 
+def state_plan(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, steps: int
+) -> MemoryPlan:
+    """A one-process engine's plan without its weights: state and keep slots, KV bytes per token, headroom."""
+    n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
+    kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
+    return MemoryPlan(
+        device, slot_bytes=StateSlots.slot_bytes(cfg, kinds, dtype),
+        slots=1 + config.max_concurrency, keep_slots=config.max_concurrency * steps,
+        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype), headroom=config.memory_headroom_mib * 2**20,
+    )  # fmt: skip
+
+
 def plan_memory(
     config: EngineConfig,
     cfg: ModelConfig,
@@ -123,21 +137,12 @@ def plan_memory(
     """The plan of a one-process engine over config.model, before its weights are read: FP8 and host
     placement decided (as the loader will), the fit checked (ConfigError) on a GPU."""
     shapes = expected_shapes(cfg, with_mtp=with_mtp)
-    from ..model.flash_next import FlashNext
-    from ..model.mtp import MTP
-
-    with meta_device():
-        capable = fp8_capable(FlashNext(cfg)) | (fp8_capable(MTP(cfg), "mtp.") if with_mtp else set())
+    capable = model_fp8_capable(cfg, with_mtp)
     with ExitStack() as stack:
         reader = CheckpointReader(Path(config.model), cfg, shapes, stack)
         fp8 = reader.fp8_names(capable.__contains__, config.quantization, device)
-    n_attn = len(cfg.qsa_layers) + 1
-    kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
-    plan = MemoryPlan(
-        device, frozenset(fp8), slot_bytes=StateSlots.slot_bytes(cfg, kinds, dtype),
-        slots=1 + config.max_concurrency, keep_slots=config.max_concurrency * steps,
-        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype), headroom=config.memory_headroom_mib * 2**20,
-    )  # fmt: skip
+    plan = state_plan(config, cfg, device, dtype, steps)
+    plan.fp8 = frozenset(fp8)
     ple = {n for n in shapes if weight_kind(n) == "PLE"}
     host = ple if config.ple_table == "host" and device.type == "cuda" else set()
     if device.type == "cuda":

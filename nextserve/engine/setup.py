@@ -20,7 +20,7 @@ from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
-from .memory_plan import MemoryPlan, module_bytes, plan_memory
+from .memory_plan import MemoryPlan, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
 
@@ -62,23 +62,14 @@ def load_engine_model(
     if model is not None:
         if mtp_wanted:
             raise ConfigError("speculative_method mtp loads the MTP block from --model; pass no model")
-        plan = MemoryPlan(device, headroom=config.memory_headroom_mib * 2**20)
-        plan.weights, model = module_bytes(model), model.eval()
-        return model, None, _with_slots(plan, config, cfg, dtype, steps)
+        plan = state_plan(config, cfg, device, dtype, steps)
+        plan.weights = module_bytes(model)
+        return model.eval(), None, plan
     plan = plan_memory(config, cfg, device, dtype, steps, with_mtp=mtp_wanted)
     model = load_model(config, cfg, plan.host)
     mtp = load_mtp(config.model, cfg, dtype, device, config.quantization) if mtp_wanted else None  # or error
     plan.weights = module_bytes(model) | ({} if mtp is None else module_bytes(mtp, "mtp."))
     return model, mtp, plan
-
-
-def _with_slots(plan: MemoryPlan, config: EngineConfig, cfg: ModelConfig, dtype, steps: int) -> MemoryPlan:
-    n_attn = len(cfg.qsa_layers) + 1
-    kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
-    plan.slot_bytes = StateSlots.slot_bytes(cfg, kinds, dtype)
-    plan.slots, plan.keep_slots = 1 + config.max_concurrency, config.max_concurrency * steps
-    plan.kv_per_token = kv_bytes_per_token(cfg, n_attn, dtype)
-    return plan
 
 
 def capture_graphs(

@@ -24,6 +24,7 @@ INDEX_FILE = "model.safetensors.index.json"
 TEXT_PREFIXES = ("model.language_model.", "model.")
 _MTP_LAYER_CKPT = "mtp.layers.0."
 _PLE_TABLE = "ple.ple_embedding.ngram_embedding"
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _SHARD_RE = re.compile(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<idx>\d+)\.weight$")
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
 _DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
@@ -110,26 +111,33 @@ def _missing(ckpt: Checkpoint, name: str, alt: str = "") -> ConfigError:
     return ConfigError(f"checkpoint {str(ckpt.dir)!r} is missing tensor {name!r}{alt}")
 
 
-def _expert_recipe(ckpt: Checkpoint, runtime: str, full: str, shape: Shape, cfg: ModelConfig) -> Recipe:
-    """Fused tensor as is, or stacked from per-expert `experts.{e}.{gate,up,down}_proj.weight`."""
-    if full in ckpt.where:
-        return Recipe(shape, (Piece(full, ()),))
+def _expert_pieces(runtime: str, full: str, cfg: ModelConfig) -> list[Piece]:
+    """The per-expert tensors `experts.{e}.{gate,up,down}_proj.weight` a fused expert tensor stacks."""
     base = full.rsplit(".", 1)[0]  # ...mlp.experts
     inter = cfg.moe_intermediate_size
     if runtime.endswith("gate_up_proj"):
         parts = [("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))]  # gate rows first
     else:
         parts = [("down_proj", slice(None))]
-    first = f"{base}.0.{parts[0][0]}.weight"
-    if first not in ckpt.where:
-        raise _missing(ckpt, full, f" (or per-expert {first!r})")
-    pieces = []
-    for e in range(cfg.num_experts):
-        for proj, rows in parts:
-            name = f"{base}.{e}.{proj}.weight"
-            if name not in ckpt.where:
-                raise _missing(ckpt, name)
-            pieces.append(Piece(name, (e, rows)))
+    return [
+        Piece(f"{base}.{e}.{proj}.weight", (e, rows)) for e in range(cfg.num_experts) for proj, rows in parts
+    ]
+
+
+def _shard_name(base: str, i: int) -> str:
+    return f"{base}.shard_{i}.weight"
+
+
+def _expert_recipe(ckpt: Checkpoint, runtime: str, full: str, shape: Shape, cfg: ModelConfig) -> Recipe:
+    """Fused tensor as is, or stacked from per-expert tensors (`_expert_pieces`)."""
+    if full in ckpt.where:
+        return Recipe(shape, (Piece(full, ()),))
+    pieces = _expert_pieces(runtime, full, cfg)
+    if pieces[0].name not in ckpt.where:
+        raise _missing(ckpt, full, f" (or per-expert {pieces[0].name!r})")
+    for piece in pieces:
+        if piece.name not in ckpt.where:
+            raise _missing(ckpt, piece.name)
     return Recipe(shape, tuple(pieces))
 
 
@@ -140,13 +148,13 @@ def _ple_recipe(ckpt: Checkpoint, full: str, shape: Shape, shards: dict[str, lis
     base = full[: -len(".weight")]
     found = sorted(shards.get(base, []))
     if not found:
-        raise _missing(ckpt, f"{base}.shard_0.weight", f" (or {full!r})")
+        raise _missing(ckpt, _shard_name(base, 0), f" (or {full!r})")
     gap = next((i for i, j in enumerate(found) if i != j), None)
     if gap is not None:
-        raise _missing(ckpt, f"{base}.shard_{gap}.weight")
+        raise _missing(ckpt, _shard_name(base, gap))
     pieces, row = [], 0
     for i in found:
-        name = f"{base}.shard_{i}.weight"
+        name = _shard_name(base, i)
         got = ckpt.shape(name)
         if len(got) != 2 or got[1] != shape[1]:
             raise ConfigError(f"tensor {name!r} has shape {list(got)}, expected [rows, {shape[1]}]")
@@ -161,7 +169,7 @@ def recipe(
     ckpt: Checkpoint, runtime: str, shape: Shape, cfg: ModelConfig, prefix: str, shards: dict[str, list[int]]
 ) -> Recipe:
     full = _ckpt_name(runtime, prefix)
-    if runtime.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+    if runtime.endswith(_FUSED_EXPERTS):
         return _expert_recipe(ckpt, runtime, full, shape, cfg)
     if runtime.endswith(f"{_PLE_TABLE}.weight"):
         return _ple_recipe(ckpt, full, shape, shards)
@@ -176,13 +184,11 @@ def recipe_names(ckpt: Checkpoint, runtime: str, cfg: ModelConfig, prefix: str, 
     full = _ckpt_name(runtime, prefix)
     if full in ckpt.where:
         return [full]
-    if runtime.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-        base = full.rsplit(".", 1)[0]
-        projs = ("gate_proj", "up_proj") if runtime.endswith("gate_up_proj") else ("down_proj",)
-        return [f"{base}.{e}.{p}.weight" for e in range(cfg.num_experts) for p in projs]
+    if runtime.endswith(_FUSED_EXPERTS):
+        return [p.name for p in _expert_pieces(runtime, full, cfg)]
     if runtime.endswith(f"{_PLE_TABLE}.weight"):
         base = full[: -len(".weight")]
-        return [f"{base}.shard_{i}.weight" for i in shards.get(base, [])]
+        return [_shard_name(base, i) for i in shards.get(base, [])]
     return []
 
 

@@ -35,13 +35,13 @@ from nextserve.model.checkpoint import (
     recipe_names,
     text_prefix,
 )
+from nextserve.model.params import SCALE, Projection, fp8_parameters
 from nextserve.model.quant import default_fp8, read_quantization
 from nextserve.model.shapes import expected_shapes
 from nextserve.ops.fp8 import BLOCK, FP8, dequantize, quantize, scale_shape
 
 log = logging.getLogger("nextserve.loader")
 PROGRESS_MIN_BYTES = 1 << 30  # below ~1 GB a load takes seconds and a bar is noise
-SCALE = "_scale_inv"  # runtime name suffix of an FP8 tensor's scales: `X.weight` -> `X.weight_scale_inv`
 QUANTIZATION_MODES = ("auto", "fp8", "none")
 
 # Checkpoint tensors no runtime tensor reads, by rule (anything else unread is an error).
@@ -252,7 +252,6 @@ def load_weights(
 def fp8_capable(module: nn.Module, prefix: str = "") -> set[str]:
     """Runtime names of the module's tensors an FP8 kernel reads: projections and experts (params.py)."""
     from .moe import Experts
-    from .params import Projection
 
     names = set()
     for name, m in module.named_modules():
@@ -261,6 +260,18 @@ def fp8_capable(module: nn.Module, prefix: str = "") -> set[str]:
             names.add(full + "weight")
         elif isinstance(m, Experts):
             names |= {full + "gate_up_proj", full + "down_proj"}
+    return names
+
+
+def model_fp8_capable(cfg: ModelConfig, with_mtp: bool = True) -> set[str]:
+    """`fp8_capable` of a whole model (and its MTP block), from the config alone (built on meta)."""
+    from .flash_next import FlashNext
+    from .mtp import MTP
+
+    with meta_device():
+        names = fp8_capable(FlashNext(cfg))
+        if with_mtp:
+            names |= fp8_capable(MTP(cfg), "mtp.")
     return names
 
 
@@ -316,9 +327,7 @@ def materialize(
         for name, p in list(m.named_parameters(recurse=False)):
             full = f"{mod_name}.{name}" if mod_name else name
             if full in fp8:
-                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=FP8, device=device), False)
-                s = torch.empty(scale_shape(tuple(p.shape)), device=device)
-                m.register_parameter(name + SCALE, nn.Parameter(s, False))
+                fp8_parameters(m, name, device)
             elif full in host and pinned:
                 t = torch.empty(p.shape, dtype=dtype, pin_memory=True)
                 m._parameters[name] = nn.Parameter(t, False)

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..ops.fp8 import FP8, quantize, scale_shape
-from .loader import fp8_capable, meta_device
+from .loader import model_fp8_capable
 from .quant import default_fp8
 
 _EXPERT = re.compile(r"^(?P<base>.+\.mlp\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -27,20 +27,10 @@ def runtime_name(ckpt_name: str) -> str:
     return name
 
 
-def capable_names(cfg: ModelConfig) -> set[str]:
-    """Runtime names of every tensor an FP8 kernel reads, in the whole model and its MTP block."""
-    from .flash_next import FlashNext
-    from .mtp import MTP
-
-    with meta_device():
-        names = fp8_capable(FlashNext(cfg)) | fp8_capable(MTP(cfg), "mtp.")
-    return names
-
-
 def quantized(tensors: list, cfg: ModelConfig) -> list:
     """The tensors (make_model._Tensor: name, shape, dtype, make) with each projection and expert weight that
     `default_fp8` converts replaced by its FP8 values and scales, next to each other in file order."""
-    capable, scheme = capable_names(cfg), default_fp8()
+    capable, scheme = model_fp8_capable(cfg), default_fp8()
     out = []
     for t in tensors:
         module = t.name[: -len(".weight")] if t.name.endswith(".weight") else t.name

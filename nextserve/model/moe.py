@@ -8,7 +8,7 @@ from ..ops.fp8 import Fp8Weight
 from ..ops.linear import linear
 from ..ops.moe import experts, route
 from ..ops.pointwise import sigmoid_gate, silu_mul
-from .params import Projection, fp8_parameters, fuse_rows, operand_of, project
+from .params import Projection, fuse_rows, operand_of, project
 
 
 class Experts(nn.Module):
@@ -17,10 +17,6 @@ class Experts(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
-
-    def to_fp8(self, name: str) -> None:
-        """Store `gate_up_proj` or `down_proj` in FP8 (params.fp8_parameters)."""
-        fp8_parameters(self, name)
 
     @property
     def gate_up(self) -> torch.Tensor | Fp8Weight:

@@ -1,8 +1,9 @@
 """Parameter holders named like the checkpoint, so state-dict keys match transformers' names.
 
 A `Projection` is a weight only ever used through `ops.linear` (or the expert ops, for `Experts`): it may
-hold block-wise FP8 values (`to_fp8`, then `weight` is float8_e4m3fn and `weight_scale_inv` its float32
-block scales, the checkpoint's names), and its `operand` is what the ops take. Any other weight (norms,
+hold block-wise FP8 values (`fp8_parameters`, which model/loader.materialize calls: then `weight` is
+float8_e4m3fn and `weight_scale_inv` its float32 block scales, the checkpoint's names), and its `operand` is
+what the ops take. Any other weight (norms,
 convolutions, embeddings, the hyper-connections' mixing projections) is always in the model dtype: an FP8
 checkpoint's values for it are dequantized when loaded.
 """
@@ -12,6 +13,8 @@ from torch import nn
 
 from ..ops.fp8 import BLOCK, FP8, Fp8Weight, scale_shape
 from ..ops.linear import linear
+
+SCALE = "_scale_inv"  # name suffix of an FP8 parameter's scales: `X.weight` -> `X.weight_scale_inv`
 
 
 class Weight(nn.Module):
@@ -27,25 +30,22 @@ class Weight(nn.Module):
         return operand_of(self, "weight")
 
 
-def fp8_parameters(module: nn.Module, name: str) -> None:
-    """Turn module's parameter `name` into an empty FP8 one with `{name}_scale_inv` beside it (a loader
-    fills both)."""
+def fp8_parameters(module: nn.Module, name: str, device: torch.device | str) -> None:
+    """Turn module's parameter `name` into an empty FP8 one on device, with `{name}_scale_inv` beside it
+    (a loader or a random fill fills both)."""
     p = getattr(module, name)
-    setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=FP8, device=p.device), requires_grad=False))
-    scale = torch.empty(scale_shape(tuple(p.shape)), dtype=torch.float32, device=p.device)
-    module.register_parameter(f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
+    setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=FP8, device=device), requires_grad=False))
+    scale = torch.empty(scale_shape(tuple(p.shape)), dtype=torch.float32, device=device)
+    module.register_parameter(name + SCALE, nn.Parameter(scale, requires_grad=False))
 
 
 def operand_of(module: nn.Module, name: str) -> torch.Tensor | Fp8Weight:
     p = getattr(module, name)
-    return Fp8Weight(p, getattr(module, f"{name}_scale_inv")) if p.dtype == FP8 else p
+    return Fp8Weight(p, getattr(module, name + SCALE)) if p.dtype == FP8 else p
 
 
 class Projection(Weight):
     """A projection matrix [N, K], which may be stored in FP8 (the module docstring)."""
-
-    def to_fp8(self) -> None:
-        fp8_parameters(self, "weight")
 
 
 def fuse_rows(*holders: Weight) -> torch.Tensor | Fp8Weight | None:
@@ -71,9 +71,9 @@ def fuse_rows(*holders: Weight) -> torch.Tensor | Fp8Weight | None:
     for h, n in zip(holders, rows, strict=True):
         q[start : start + h.weight.shape[0]].copy_(h.weight.data)
         start += n
-    scale = torch.cat([h.weight_scale_inv.data for h in holders])
+    scale = torch.cat([getattr(h, "weight" + SCALE).data for h in holders])
     _share_rows(holders, q, "weight", rows)
-    _share_rows(holders, scale, "weight_scale_inv", [n // BLOCK for n in rows[:-1]] + [-1])
+    _share_rows(holders, scale, "weight" + SCALE, [n // BLOCK for n in rows[:-1]] + [-1])
     return Fp8Weight(q, scale)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 
@@ -21,8 +21,21 @@ from .state import ServerState
 log = logging.getLogger("nextserve.server")
 
 
-def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[tuple[str, Callable, int]]:
-    """(field, compile function, schema nodes) of every constraint the request asks for."""
+class _Ask(NamedTuple):
+    field: str  # the request field that asks for it
+    compile: Callable[[], Any]
+    nodes: int  # objects and arrays of its JSON schemas (--max-schema-nodes)
+    size: int  # bytes of its regex, EBNF grammar or choices (--max-grammar-bytes)
+
+
+def _size(kind: str, value: Any) -> int:
+    if kind == "choice":
+        return sum(len(c.encode()) for c in value)
+    return len(value.encode()) if kind in ("regex", "grammar") else 0
+
+
+def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[_Ask]:
+    """Every constraint the request asks for."""
     g = srv.grammar
     compile_of = {
         "json": g.compile_json_schema,
@@ -45,38 +58,21 @@ def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[
         value = getattr(so, "json_" if kind == "json" else kind)
         if value is not None:
             wanted.append(("structured_outputs", kind, value))
-    asks: list[tuple[str, Callable[[], Any], int]] = []
+    asks = []
     for field, kind, value in wanted:
         if kind == "json":
             value = P.load_schema(value)
         nodes = P.schema_nodes(value) if kind == "json" else 0
-        asks.append((field, functools.partial(compile_of[kind], value), nodes))
+        asks.append(_Ask(field, functools.partial(compile_of[kind], value), nodes, _size(kind, value)))
     forced_tools = tools and (tool_choice == "required" or isinstance(tool_choice, P.NamedToolChoice))
     if forced_tools:
         forced = tool_choice.function.name if isinstance(tool_choice, P.NamedToolChoice) else None
         parallel = bool(getattr(req, "parallel_tool_calls", True))
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
         nodes = sum(P.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
-        asks.append(("tool_choice", functools.partial(g.compile_tool_calls, tools, forced, parallel), nodes))
+        compile_fn = functools.partial(g.compile_tool_calls, tools, forced, parallel)
+        asks.append(_Ask("tool_choice", compile_fn, nodes, 0))
     return asks
-
-
-def _grammar_bytes(req: P._SamplingFields) -> list[tuple[str, int]]:
-    """(field, bytes) of the request's regex, EBNF grammar and choices."""
-    so = req.structured_outputs
-    out = []
-    for name, text in (
-        ("guided_regex", req.guided_regex),
-        ("guided_grammar", req.guided_grammar),
-        ("structured_outputs", so.regex if so is not None else None),
-        ("structured_outputs", so.grammar if so is not None else None),
-    ):
-        if text is not None:
-            out.append((name, len(text.encode())))
-    for name, choices in (("guided_choice", req.guided_choice), ("structured_outputs", so and so.choice)):
-        if choices:
-            out.append((name, sum(len(c.encode()) for c in choices)))
-    return out
 
 
 async def output_constraint(
@@ -90,7 +86,7 @@ async def output_constraint(
         raise bad(
             "give at most one output constraint; got " + ", ".join(a[0] for a in asks), param=asks[1][0]
         )
-    param, compile_fn, nodes = asks[0]
+    param, compile_fn, nodes, size = asks[0]
     limits = srv.limits
     if nodes > limits.max_schema_nodes:
         raise bad(
@@ -98,11 +94,8 @@ async def output_constraint(
             f"{limits.max_schema_nodes} are compiled (--max-schema-nodes)",
             param="tools" if param == "tool_choice" else param,
         )
-    for name, size in _grammar_bytes(req):
-        if size > limits.max_grammar_bytes:
-            raise bad(
-                f"{name} is {size} bytes; at most {limits.max_grammar_bytes} (--max-grammar-bytes)", name
-            )
+    if size > limits.max_grammar_bytes:
+        raise bad(f"{param} is {size} bytes; at most {limits.max_grammar_bytes} (--max-grammar-bytes)", param)
     g = srv.grammar
     if not g.available:
         if param == "tool_choice":

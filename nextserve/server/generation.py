@@ -25,7 +25,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import QueueFull
 from . import protocol as P
 from .errors import LOG_KEY, APIError, bad, failure_error, raise_for_failure
-from .prepare import queue_full
+from .prepare import queue_full, wait_for_disconnect
 from .state import ServerState
 from .streaming import DONE, KEEPALIVE, EventStream, sse
 
@@ -219,12 +219,8 @@ class Generation:
                 for out in await self.stream.next():
                     self.tracker.update(out)
 
-        async def until_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         consume = asyncio.ensure_future(drain())
-        watch = asyncio.ensure_future(until_disconnect())
+        watch = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             done, _ = await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -146,9 +146,6 @@ class GrammarBackend:
             ),
         )
 
-    def compile_json_object(self) -> Any:
-        return self.compile_json_schema({"type": "object"})
-
     def compile_regex(self, pattern: str) -> Any:
         return self._compile("regex", lambda c: c.compile_regex(pattern))
 

@@ -80,13 +80,13 @@ def _class_nonempty(args: list[int]) -> bool:
 
 
 def _reachable(root: int, rules: list, expr) -> list[int]:
-    seen, todo = {root}, [rules[root][1]]
-    while todo:
-        kind, args = expr(todo.pop())
+    seen, frontier = {root}, [rules[root][1]]
+    while frontier:
+        kind, args = expr(frontier.pop())
         if kind in (_RULE, _REPEAT):
             if args[0] not in seen:
                 seen.add(args[0])
-                todo.append(rules[args[0]][1])
+                frontier.append(rules[args[0]][1])
         elif kind in (_SEQUENCE, _CHOICES):
-            todo.extend(args)
+            frontier.extend(args)
     return sorted(seen)

@@ -80,7 +80,7 @@ class Preparer:
             return fn(*args)
 
         done = loop.run_in_executor(pool, job)
-        gone = asyncio.ensure_future(_disconnect(request))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
         start = asyncio.ensure_future(started.wait())
         try:
             await asyncio.wait({done, gone, start}, return_when=asyncio.FIRST_COMPLETED)
@@ -101,7 +101,7 @@ class Preparer:
         self.compilers.shutdown(wait=False, cancel_futures=True)
 
 
-async def _disconnect(request: Request) -> None:
+async def wait_for_disconnect(request: Request) -> None:
     """Returns when the client has gone (call only once the body has been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

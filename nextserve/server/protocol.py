@@ -403,43 +403,32 @@ def load_schema(v: dict[str, Any] | str) -> Any:
     return v
 
 
-def schema_nodes(schema: Any) -> int:
-    """Objects and arrays in a schema (what its grammar's size follows), counted without recursion."""
-    count, stack = 0, [schema]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            count += 1
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            count += 1
-            stack.extend(v)
-    return count
-
-
-def _schema_depth(schema: Any, limit: int) -> int:
-    """Nesting depth of a schema's objects and arrays, counted without recursion up to limit + 1."""
-    deepest, stack = 0, [(schema, 1)]
+def schema_size(schema: Any) -> tuple[int, int]:
+    """(objects and arrays, their deepest nesting) of a schema (what its grammar's size follows), counted
+    without recursion."""
+    nodes, deepest, stack = 0, 0, [(schema, 1)]
     while stack:
         v, d = stack.pop()
         if not isinstance(v, dict | list):
             continue
-        deepest = max(deepest, d)
-        if d > limit:
-            return d
+        nodes, deepest = nodes + 1, max(deepest, d)
         stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
+    return nodes, deepest
+
+
+def schema_nodes(schema: Any) -> int:
+    return schema_size(schema)[0]
 
 
 def check_json_schema(schema: Any, limits: ServerLimits = DEFAULT_LIMITS) -> None:
     """Raises ValueError when `schema` is not a JSON Schema document within the server's limits."""
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object")
-    if _schema_depth(schema, limits.max_schema_depth) > limits.max_schema_depth:
+    nodes, depth = schema_size(schema)
+    if depth > limits.max_schema_depth:
         raise ValueError(
             f"the JSON schema nests deeper than {limits.max_schema_depth} levels (--max-schema-depth)"
         )
-    nodes = schema_nodes(schema)
     if nodes > limits.max_schema_nodes:
         raise ValueError(
             f"the JSON schema holds {nodes} objects and arrays; at most {limits.max_schema_nodes} "

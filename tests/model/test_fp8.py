@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_oracle import TINY, hf_model
+from hf_oracle import TINY, save_hf_model
 from safetensors.torch import load_file, save_file
 
 from nextserve import LLM, SamplingParams
@@ -62,12 +62,7 @@ def _projection(name: str, t: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    hf = hf_model(CFG, seed=5)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(30)
-    out = tmp_path_factory.mktemp("hf_fp8_src")
-    hf.save_pretrained(out)
-    return out
+    return save_hf_model(CFG, 5, tmp_path_factory.mktemp("hf_fp8_src"))
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -86,6 +86,28 @@ class LiveServer:
                 return s
 
 
+def wait_until(cond, timeout: float = 5.0) -> bool:
+    """Polls cond() every 10 ms until it holds (True) or timeout seconds pass (its last value)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def post_and_hold(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    """A raw connection that has sent POST path with body and reads nothing: close it to leave."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
 def assert_pool_full(stats: dict[str, int]) -> None:
     assert stats["waiting"] == 0 and stats["running"] == 0, stats
     assert stats["kv_pages_free"] == stats["kv_pages_total"], stats

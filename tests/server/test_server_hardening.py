@@ -6,12 +6,11 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import socket
 import threading
 import time
 
 import pytest
-from live_server import MODEL_NAME, assert_pool_full, live_server
+from live_server import MODEL_NAME, assert_pool_full, live_server, post_and_hold, wait_until
 
 from nextserve.server import render
 from nextserve.server.limits import ServerLimits
@@ -19,15 +18,6 @@ from nextserve.server.limits import ServerLimits
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
-
-
-def _wait(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def _error(server, path, body=None, raw=None, **kw):
@@ -44,18 +34,12 @@ def _nested_schema(levels: int) -> dict:
 
 # ---- row 2: a non-streaming client that disconnects -------------------------------------------------
 def test_a_non_streaming_disconnect_is_an_abort_counted_as_499(server, caplog):
-    body = json.dumps({"messages": USER, "max_tokens": 900, "ignore_eos": True}).encode()
     with caplog.at_level(logging.INFO):
-        sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        assert _wait(lambda: server.engine.stats()["running"] == 1)
+        sock = post_and_hold(server.port, CHAT, {"messages": USER, "max_tokens": 900, "ignore_eos": True})
+        assert wait_until(lambda: server.engine.stats()["running"] == 1)
         sock.close()
-        assert _wait(lambda: not server.engine.engine.sequences)
-        assert _wait(lambda: any('"status": 499' in r.getMessage() for r in caplog.records))
+        assert wait_until(lambda: not server.engine.engine.sequences)
+        assert wait_until(lambda: any('"status": 499' in r.getMessage() for r in caplog.records))
     assert_pool_full(server.wait_idle())
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
     assert sum('"status": 499' in r.getMessage() for r in caplog.records) == 1
@@ -343,7 +327,7 @@ def test_requests_being_prepared_count_against_max_pending(tiny_model_dir, monke
         ]
         for t in threads:
             t.start()
-        assert _wait(lambda: len(calls) == 2)
+        assert wait_until(lambda: len(calls) == 2)
         status, err = _error(srv, CHAT, {"messages": USER, "max_tokens": 2})
         assert status == 503 and err["code"] == "queue_full"
         gate.set()
@@ -373,17 +357,12 @@ def test_a_client_that_leaves_before_admission_costs_nothing(tiny_model_dir, mon
         ]
         for t in holders:
             t.start()
-        assert _wait(lambda: calls.count("hold") == 4)
-        body = json.dumps({"messages": [{"role": "user", "content": "leaver"}], "max_tokens": 2}).encode()
-        sock = socket.create_connection(("127.0.0.1", srv.port))
-        sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        assert _wait(lambda: srv.state.prep.active == 5)
+        assert wait_until(lambda: calls.count("hold") == 4)
+        leaver = {"messages": [{"role": "user", "content": "leaver"}], "max_tokens": 2}
+        sock = post_and_hold(srv.port, CHAT, leaver)
+        assert wait_until(lambda: srv.state.prep.active == 5)
         sock.close()
-        assert _wait(lambda: srv.state.prep.active == 4)
+        assert wait_until(lambda: srv.state.prep.active == 4)
         gate.set()
         for t in holders:
             t.join(30)

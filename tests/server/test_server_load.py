@@ -5,24 +5,14 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 import time
 
 import openai
 import pytest
-from live_server import MODEL_NAME, assert_pool_full, live_server
+from live_server import MODEL_NAME, assert_pool_full, live_server, post_and_hold, wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a story."}]
-
-
-def _wait(cond, timeout: float = 5.0, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
 
 
 def test_32_streaming_clients_a_quarter_disconnect(tiny_model_dir):
@@ -105,14 +95,14 @@ def test_full_queue_gets_503_and_waiters_get_keepalives(one_slot):
         model=MODEL_NAME, messages=MSGS, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(a))
-    assert _wait(lambda: srv.engine.stats()["running"] == 1)
+    assert wait_until(lambda: srv.engine.stats()["running"] == 1)
     # ...B waits in the one-place queue (and hears keep-alives meanwhile)...
     b: dict = {}
     tb = threading.Thread(
         target=_raw_stream, args=(srv, {"messages": MSGS, "max_tokens": 4, "stream": True}, b)
     )
     tb.start()
-    assert _wait(lambda: srv.engine.stats()["waiting"] == 1)
+    assert wait_until(lambda: srv.engine.stats()["waiting"] == 1)
     # ...so C is turned away with 503 and Retry-After.
     with pytest.raises(openai.InternalServerError) as info:
         client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=4)
@@ -131,17 +121,13 @@ def test_full_queue_gets_503_and_waiters_get_keepalives(one_slot):
 
 def test_non_streamed_client_that_leaves_is_aborted(one_slot):
     srv = one_slot
-    body = json.dumps({"messages": MSGS, "max_tokens": 230, "ignore_eos": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", srv.port))
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
+    sock = post_and_hold(
+        srv.port, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 230, "ignore_eos": True}
     )
-    assert _wait(lambda: srv.engine.stats()["running"] == 1)
+    assert wait_until(lambda: srv.engine.stats()["running"] == 1)
     before = srv.engine.engine.sequences.copy()
     sock.close()
-    assert _wait(lambda: not srv.engine.engine.sequences, timeout=1.0), before
+    assert wait_until(lambda: not srv.engine.engine.sequences, timeout=1.0), before
     assert_pool_full(srv.wait_idle())
     metrics = srv.request("GET", "/metrics")[2].decode()
     assert 'nextserve_requests_finished_total{finish_reason="client_disconnect"}' in metrics
