@@ -54,6 +54,8 @@ def test_bench_cli_tiny_cpu_prints_json(capsys, tmp_path, one_thread) -> None:
     ):  # fmt: skip
         assert key in res, key
     assert res["hardware"]["device"] == "cpu" and res["model"]["preset"] == "tiny"
+    # on a CPU run the weights are on the device: none count as host memory (the GPU's pinned n-gram table)
+    assert res["model"]["weight_bytes"] > 0 and res["model"]["host_weight_bytes"] == 0
     assert res["copy_bandwidth"]["GB_per_s"] > 0
 
     ns = res["nextserve"]

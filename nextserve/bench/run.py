@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     model, engine, built = nextserve_engine()
     fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
-    host = frozenset(n for n, p in model.named_parameters() if not p.is_cuda and device.type == "cuda")
+    host = frozenset(n for n, p in model.named_parameters() if p.device.type != device.type)  # pinned
     if device.type == "cuda":  # what is left for KV once the weights, slots and graphs are in
         free, total = torch.cuda.mem_get_info(device)
         per_seq = 65536 * kv_bytes_per_token(cfg, len(cfg.qsa_layers) + 1, dtype)
@@ -233,8 +233,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "dtype": str(dtype).removeprefix("torch."),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda),
-        "host_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_cuda),
+        "weight_bytes": sum(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if n not in host
+        ),
+        "host_weight_bytes": sum(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if n in host
+        ),
         "quantization": args.quantization,
         "ple_table": args.ple_table,
         "fp8_tensors": len(fp8),
