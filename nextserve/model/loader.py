@@ -39,6 +39,7 @@ from nextserve.model.params import SCALE, Projection, fp8_parameters
 from nextserve.model.quant import default_fp8, read_quantization
 from nextserve.model.shapes import expected_shapes
 from nextserve.ops.fp8 import BLOCK, FP8, dequantize, quantize, scale_shape
+from nextserve.ops.pinned import pinned_empty
 
 log = logging.getLogger("nextserve.loader")
 PROGRESS_MIN_BYTES = 1 << 30  # below ~1 GB a load takes seconds and a bar is noise
@@ -329,7 +330,7 @@ def materialize(
             if full in fp8:
                 fp8_parameters(m, name, device)
             elif full in host and pinned:
-                t = torch.empty(p.shape, dtype=dtype, pin_memory=True)
+                t = pinned_empty(p.shape, dtype)
                 m._parameters[name] = nn.Parameter(t, False)
             else:
                 m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)

@@ -115,3 +115,33 @@ def test_host_rows_kernel_reads_pinned_memory():
     ids.copy_(torch.randint(0, 1000, (7, 16), device="cuda"))
     graph.replay()
     assert torch.equal(out.cpu(), torch.nn.functional.embedding(ids.cpu(), table))
+
+
+def test_pinned_empty_is_exact_size_page_locked_and_read_by_the_kernel():
+    """The released table (95.4 GiB) failed to pin through torch's allocator, which rounds to a power of
+    two (128 GiB); pinned_empty locks exactly the bytes asked for, and the kernel reads them in place."""
+    import gc
+    import weakref
+
+    from nextserve.ops.pinned import pinned_empty
+    from nextserve.ops.triton.ple import triton_host_rows
+
+    table = pinned_empty((1000, 160), torch.bfloat16)
+    assert table.is_pinned() and table.is_contiguous() and table.untyped_storage().nbytes() == 1000 * 160 * 2
+    table.copy_(torch.randn(1000, 160, dtype=torch.bfloat16))
+    ids = torch.randint(0, 1000, (7, 16), device="cuda")
+    assert torch.equal(triton_host_rows(table, ids).cpu(), torch.nn.functional.embedding(ids.cpu(), table))
+    # 3 GiB: more than a power-of-two rounding leaves room for on small hosts, and the registration is
+    # dropped when the last view goes
+    big = pinned_empty((3 * 2**29 + 5, 2), torch.bfloat16)
+    big[-1].fill_(1.5)
+    assert big.is_pinned() and torch.equal(
+        triton_host_rows(big, torch.tensor([[big.shape[0] - 1]], device="cuda")).cpu(), big[-1:].view(1, 1, 2)
+    )
+    view = big[10:]
+    del big
+    assert view.is_pinned()
+    ref = weakref.ref(view)
+    del view
+    gc.collect()
+    assert ref() is None
