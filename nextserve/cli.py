@@ -30,9 +30,12 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "memory_headroom_mib": "GPU memory left free when sizing the KV pool automatically",
     "cpu_kv_budget_mib": "KV pool size on the CPU when kv_capacity is auto",
     "seed": "engine seed for requests that give none",
-    "prefix_cache_images": "sequence images kept for prefix reuse (0: off): a prompt resumes from the "
-    "longest stored prefix on the --prefill-chunk grid (each prompt's last boundary, and the boundary "
-    "before its last message), exactly as a cold run; unused images give way when pages run short",
+    "prefix_cache": "prefix reuse: a prompt resumes from the longest stored prefix image (--no-prefix-cache: "
+    "every prompt is prefilled from its first token)",
+    "prefix_cache_images": "sequence images kept for prefix reuse (0: off; auto: as many as 1/8 of the KV "
+    "pool's memory holds, at most 64, taken out of the pool): a prompt resumes from the longest stored "
+    "prefix on the --prefill-chunk grid (each prompt's last boundary, and the boundary before its last "
+    "message), exactly as a cold run; unused images give way when pages run short",
     "prefix_anchor_chunks": "with --prefix-cache-images: also keep an image every N chunks of long prompts "
     "(0: none)",
     "quantization": "auto: weights as the checkpoint stores them (block-wise FP8 ones stay FP8, read by the "
@@ -43,9 +46,11 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "(host when the device has no room for it)",
     "skip_tokenizer": "serve without a tokenizer: prompts are token ids, answers carry token ids and no text "
     "(a model directory without a tokenizer needs this flag)",
-    "host_state_slots": "prefix images kept in host memory when the device keeps no more "
-    "(needs --prefix-cache-images; 0: off); a prompt resumes from them as from device images",
-    "host_kv_mib": "host memory (MiB) the host image store may hold",
+    "host_state_slots": "prefix images kept in host memory when the device keeps no more (0: off; auto: 64 "
+    "when prefix reuse is on and the host has twice --host-kv-mib available); a prompt resumes from them "
+    "as from device images",
+    "host_kv_mib": "host memory (MiB) for the host image store and the copies of preempted sequences "
+    "(these first: images give way to them)",
     "cuda_graph": "replay each decode step (and, when speculating, each step's verify windows) as a "
     "CUDA graph per batch-size bucket (GPU only; --no-cuda-graph runs the same kernels eagerly)",
     "speculative_method": "off; ngram: propose draft tokens by looking the last 3 (then 2) tokens up "
@@ -150,7 +155,8 @@ def _serve_parser(sub) -> None:
         "--api-key-file",
         default=None,
         metavar="PATH",
-        help="read the API key from the first line of PATH (default: none)",
+        help="read the API keys from PATH, one a line; each key is a tenant with a prefix cache of its own "
+        "(default: none)",
     )
     server.add_argument(
         "--served-model-name",
@@ -211,19 +217,20 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         limits.add_argument(flag, type=kind, default=default, metavar=metavar, dest=name, help=help_text)
 
 
-def _api_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+def _api_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | tuple[str, ...] | None:
+    """--api-key, or the keys of --api-key-file: one a line, each a tenant (its own prefix cache)."""
     if args.api_key_file is None:
         return args.api_key
     if args.api_key is not None:
         parser.error("give --api-key or --api-key-file, not both")
     try:
         with open(args.api_key_file, encoding="utf-8") as f:
-            key = f.readline().strip()
+            keys = tuple(line.strip() for line in f)
     except OSError as exc:
         parser.error(f"--api-key-file: {exc}")
-    if not key:
+    if not keys or not keys[0]:
         parser.error(f"--api-key-file {args.api_key_file}: the first line is empty")
-    return key
+    return tuple(k for k in keys if k)
 
 
 def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -275,7 +275,8 @@ class EngineConfig:
     memory_headroom_mib: int = 2048
     cpu_kv_budget_mib: int = 1024
     seed: int = 0
-    prefix_cache_images: int = 0  # grid images kept for prefix reuse (0: off)
+    prefix_cache: bool = True  # prefix reuse (--no-prefix-cache: off)
+    prefix_cache_images: int | str = "auto"  # grid images kept for prefix reuse; auto: sized with the pool
     prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
     cuda_graph: bool = True  # replay decode steps and verify windows as CUDA graphs (GPU only)
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
@@ -286,8 +287,8 @@ class EngineConfig:
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
-    host_state_slots: int = 0  # prefix images kept in host memory once the device keeps no more (0: off)
-    host_kv_mib: int = 4096  # host memory the host image store may use
+    host_state_slots: int | str = "auto"  # prefix images kept in host memory (0: off; auto: on if room)
+    host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
     ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
@@ -308,10 +309,20 @@ class EngineConfig:
             raise ConfigError(f"max_context must be a positive integer, got {self.max_context!r}")
         counts = ("prefix_cache_images", "prefix_anchor_chunks", "seed", "host_state_slots", "host_kv_mib")
         for name in counts:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
-        if self.host_state_slots and not self.prefix_cache_images:
-            raise ConfigError("host_state_slots needs prefix_cache_images > 0 (it keeps device spills)")
+            value = getattr(self, name)
+            if value == "auto" and name in ("prefix_cache_images", "host_state_slots"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                auto = " or 'auto'" if name in ("prefix_cache_images", "host_state_slots") else ""
+                raise ConfigError(f"{name} must be a non-negative integer{auto}, got {value!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be true or false, got {self.prefix_cache!r}")
+        images = self.prefix_cache_images if self.prefix_cache else 0
+        if self.host_state_slots not in (0, "auto") and images == 0:
+            raise ConfigError(
+                "host_state_slots needs prefix reuse on (prefix_cache_images > 0 or auto): it keeps "
+                "device spills"
+            )
         if self.ple_table not in ("auto", "device", "host"):
             raise ConfigError(f"ple_table must be auto, device or host, got {self.ple_table!r}")
         if self.quantization not in ("auto", "fp8", "none"):

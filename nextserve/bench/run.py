@@ -182,14 +182,15 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     steps, dplen = args.decode_steps, args.decode_prompt_len
     warm_len = min(128, dplen)  # warm-up prompts: both paths' shapes and allocations before timing
     max_conc = max(args.concurrency)
-    # Admission reserves prompt + max_tokens for every request (C2): room for all of them at once.
+    # Room for every request's prompt + max_tokens at once, so no step preempts; prefix reuse off (random
+    # prompts share no prefix: images would only hold pages).
     per_request = dplen + decode_max_tokens(max_conc, dplen, args.prefill_chunk, steps) + args.page_size
     capacity = max(max(args.prompt_lens) + 8, max_conc * per_request, 256)
     capacity = -(-capacity // args.page_size) * args.page_size
     engine_flags = dict(
         prefill_chunk=args.prefill_chunk, max_concurrency=max_conc, kv_capacity=capacity,
         max_context=capacity, page_size=args.page_size, max_pending=max(256, max_conc),
-        cuda_graph=args.cuda_graph, pdl=args.pdl, async_scheduling=args.async_scheduling,
+        cuda_graph=args.cuda_graph, pdl=args.pdl, async_scheduling=args.async_scheduling, prefix_cache=False,
     )  # fmt: skip
 
     def nextserve_engine():

@@ -73,23 +73,35 @@ class HostImageStore:
 
     def __init__(self, max_images: int, max_bytes: int) -> None:
         self.max_images, self.max_bytes = max_images, max_bytes
-        self._entries: OrderedDict[bytes, tuple[tuple[int, ...], HostImage]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[tuple, HostImage]] = OrderedDict()
         self.nbytes = 0
+        self.reserved = 0  # bytes of max_bytes held by others (preempted sequences' copies)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, key: bytes, tokens: tuple[int, ...], image: HostImage) -> None:
+    def put(self, key: bytes, tokens: tuple, image: HostImage) -> None:
+        """Keep an image of what `tokens` names (the prefix cache's (salt, token ids))."""
         self.drop(key)
-        if image.nbytes > self.max_bytes:
+        if image.nbytes > self.max_bytes - self.reserved:
             return
         self._entries[key] = (tokens, image)
         self.nbytes += image.nbytes
-        while len(self._entries) > self.max_images or self.nbytes > self.max_bytes:
+        self._fit()
+
+    def reserve(self, nbytes: int) -> None:
+        """Leave `nbytes` of the budget to others, dropping least recently used images to fit."""
+        self.reserved = nbytes
+        self._fit()
+
+    def _fit(self) -> None:
+        while self._entries and (
+            len(self._entries) > self.max_images or self.nbytes > self.max_bytes - self.reserved
+        ):
             _, (_, old) = self._entries.popitem(last=False)
             self.nbytes -= old.nbytes
 
-    def get(self, key: bytes, tokens: tuple[int, ...]) -> HostImage | None:
+    def get(self, key: bytes, tokens: tuple) -> HostImage | None:
         """The image of exactly `tokens` (the tokens are compared: a hash collision never resumes)."""
         entry = self._entries.get(key)
         if entry is None or entry[0] != tokens:

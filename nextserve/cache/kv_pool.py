@@ -63,6 +63,11 @@ class KVPool:
         return self.k[i], self.v[i], self.block_keys[i]
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every plane (what a host copy of it takes)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.k, self.v, self.block_keys))
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

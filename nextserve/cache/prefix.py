@@ -12,9 +12,10 @@ from .kv_pool import KVPool
 from .sequence import SequenceImage, release_image
 
 
-def grid_hashes(tokens: list[int], chunk: int) -> list[bytes]:
-    """hashes[k] names tokens[: (k+1) * chunk]; each chains the one before, so a prompt is hashed once."""
-    out, h = [], b""
+def grid_hashes(tokens: list[int], chunk: int, salt: bytes = b"") -> list[bytes]:
+    """hashes[k] names tokens[: (k+1) * chunk] under `salt`; each chains the one before, so a prompt is
+    hashed once."""
+    out, h = [], hashlib.blake2b(salt, digest_size=16).digest() if salt else b""
     for end in range(chunk, len(tokens) + 1, chunk):
         h = hashlib.blake2b(h + repr(tokens[end - chunk : end]).encode(), digest_size=16).digest()
         out.append(h)
@@ -38,7 +39,8 @@ def image_points(
 @dataclass
 class _Entry:
     image: SequenceImage
-    tokens: tuple[int, ...]  # NOTE: kept to rule out a hash collision ever resuming the wrong prefix
+    # NOTE: kept to rule out a hash collision ever resuming the wrong prefix (or another tenant's)
+    tokens: tuple[bytes, tuple[int, ...]]  # (salt, tokens)
 
 
 class PrefixCache:
@@ -54,15 +56,19 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: list[int]) -> SequenceImage | None:
-        """The longest image that is a prefix of prompt and leaves at least one token to compute
-        (the last prompt token's logits choose the first output token)."""
-        hashes = grid_hashes(prompt, self.chunk)
+    def pages(self) -> set[int]:
+        """The pool pages the device images hold (shared with sequences resumed from them)."""
+        return {p for entry in self._entries.values() for p in entry.image.pages}
+
+    def lookup(self, prompt: list[int], salt: bytes = b"") -> SequenceImage | None:
+        """The longest image under `salt` that is a prefix of prompt and leaves at least one token to
+        compute (the last prompt token's logits choose the first output token)."""
+        hashes = grid_hashes(prompt, self.chunk, salt)
         for k in range(len(hashes) - 1, -1, -1):
             length = (k + 1) * self.chunk
             if length >= len(prompt):
                 continue
-            tokens = tuple(prompt[:length])
+            tokens = (salt, tuple(prompt[:length]))
             entry = self._entries.get(hashes[k])
             if entry is not None and entry.tokens == tokens:
                 self._entries.move_to_end(hashes[k])
@@ -77,30 +83,33 @@ class PrefixCache:
                 return image
         return None
 
-    def wants(self, tokens: list[int]) -> bool:
-        return self.capacity > 0 and grid_hashes(tokens, self.chunk)[-1] not in self._entries
+    def wants(self, tokens: list[int], salt: bytes = b"") -> bool:
+        return self.capacity > 0 and grid_hashes(tokens, self.chunk, salt)[-1] not in self._entries
 
-    def insert(self, tokens: list[int], image: SequenceImage) -> None:
-        """Keep an image of exactly `tokens` (whose length lies on the grid)."""
+    def insert(self, tokens: list[int], image: SequenceImage, salt: bytes = b"") -> None:
+        """Keep an image of exactly `tokens` under `salt` (its length on the grid)."""
         assert image.length == len(tokens) and len(tokens) % self.chunk == 0
-        key = grid_hashes(tokens, self.chunk)[-1]
+        key = grid_hashes(tokens, self.chunk, salt)[-1]
         if key in self._entries:
             release_image(self.pool, image)
             return
         if self.host is not None:
             self.host.drop(key)  # the device image supersedes a spilled one
-        self._insert(key, tuple(tokens), image)
+        self._insert(key, (salt, tuple(tokens)), image)
 
-    def _insert(self, key: bytes, tokens: tuple[int, ...], image: SequenceImage) -> None:
+    def _insert(self, key: bytes, tokens: tuple[bytes, tuple[int, ...]], image: SequenceImage) -> None:
         self._entries[key] = _Entry(image, tokens)
         while len(self._entries) > self.capacity:
-            self.evict_one(keep=image)
+            self.evict_one(keep=image, freeing=False)
 
-    def evict_one(self, keep: SequenceImage | None = None) -> bool:
-        """Drop the least recently used image (not `keep`) from the device, to the host store when
+    def evict_one(self, keep: SequenceImage | None = None, freeing: bool = True) -> bool:
+        """Drop the least recently used image (not `keep`; with `freeing`, one whose dropping frees a
+        page: no running sequence shares all of its pages) from the device, to the host store when
         there is one (its device pages are released either way); False when there is none to drop."""
         for key, entry in self._entries.items():
-            if entry.image is not keep:
+            if entry.image is not keep and (
+                not freeing or any(self.pool.refcount[p] == 1 for p in entry.image.pages)
+            ):
                 del self._entries[key]
                 if self.host is not None:
                     self.host.put(key, entry.tokens, self.spill(self.pool, entry.image))

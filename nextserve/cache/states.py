@@ -147,6 +147,11 @@ class StateSlots:
             field.index_copy_(1, dst, field.index_select(1, src))
 
     @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one slot's state (what `copy_out` copies)."""
+        return sum(getattr(self, n)[:, 0].numel() * getattr(self, n).element_size() for n in STATE_FIELDS)
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -86,9 +86,9 @@ class AsyncEngine:
             if kind == _ABORT:
                 self.engine.abort(rid)
                 continue
-            ids, text, params, constraint, checkpoints = payload
+            ids, text, params, constraint, checkpoints, salt = payload
             try:
-                self.engine.add_request(ids, params, rid, constraint, checkpoints)
+                self.engine.add_request(ids, params, rid, constraint, checkpoints, salt)
                 # NOTE: the prompt was tokenized on the caller's thread; keep its text for the output.
                 self.engine.sequences[rid].prompt_text = text
             except Exception as exc:  # noqa: BLE001 - a refused request fails alone
@@ -125,6 +125,7 @@ class AsyncEngine:
         constraint=None,
         checkpoints: tuple[int, ...] = (),
         stream: OutputStream | None = None,
+        cache_salt: str | None = None,
     ) -> OutputStream:
         """Sends the request to the engine thread and returns the stream its outputs arrive on (`stream`,
         which may carry other requests of the same client, or a new one); raises ValueError / QueueFull /
@@ -144,7 +145,7 @@ class AsyncEngine:
                 raise QueueFull(f"{waiting} requests already wait (--max-pending {limit})")
             self._streams[request_id] = stream
             stream.request_ids.append(request_id)
-            self._inbox.append((_ADD, request_id, (ids, text, params, constraint, checkpoints)))
+            self._inbox.append((_ADD, request_id, (ids, text, params, constraint, checkpoints, cache_salt)))
             self._pending_adds += 1
             self._mu.notify()
         return stream

@@ -18,6 +18,7 @@ from ..runtime.windows import plain_greedy
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
 from .penalties import TokenTally
+from .preemption import Swapper
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
@@ -70,7 +71,7 @@ class LLMEngine:
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
             )
         stage_plan = (ranges, devices, steps) if stages > 1 else None
-        capacity = kv_capacity(config, cfg, self.device, self.dtype, n_attn, stage_plan)
+        capacity, images = kv_capacity(config, cfg, self.device, self.dtype, n_attn, stage_plan)
         self.max_context = min(config.max_context or cfg.max_position_embeddings, capacity)
         if config.max_context is not None and config.max_context > capacity:
             raise ConfigError(f"max_context {config.max_context} exceeds kv_capacity {capacity}")
@@ -83,14 +84,18 @@ class LLMEngine:
         else:
             self.model.prepare(self.max_context)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
-            self.plan.kv_tokens = capacity
+            self.plan.kv_tokens, self.plan.prefix_images = capacity, images
             log.info("%s", self.plan.table())
-        self.prefix = build_prefix(config, self.pool)
+        self.prefix = build_prefix(config, self.pool, images)
         proposer = make_proposer(config)
         self.spec_drafted = self.spec_accepted = 0
+        lag = int(mtp is not None)  # the MTP row of a sequence's last committed token trails it
+        host_store = self.prefix.host if self.prefix is not None else None
+        swapper = Swapper(self.pool, self.slots, lag, config.host_kv_mib * 2**20, host_store)
+        lookahead = max(config.decode_groups, steps + 1) + 1
         self.scheduler = Scheduler(
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
-            kv_lag=int(mtp is not None),  # the MTP row of a sequence's last committed token trails it
+            kv_lag=lag, swapper=swapper, lookahead=lookahead,
         )  # fmt: skip
         if stages > 1:
             self.runner = PipelineRunner(
@@ -98,6 +103,7 @@ class LLMEngine:
             )
             if self.prefix is not None and self.prefix.host is not None:
                 self.runner.mirror.mirror_host(self.prefix)  # every stage moves its share of an image
+            self.runner.mirror.mirror_host(swapper)  # and of a preempted sequence
         else:
             self.runner = ModelRunner(
                 self.model, self.device, self.pool, self.slots, None, config.pdl,
@@ -135,9 +141,11 @@ class LLMEngine:
         request_id: str | None = None,
         constraint: TokenConstraint | None = None,
         checkpoints: tuple[int, ...] = (),
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request. `checkpoints`: prompt positions (e.g. where the last message starts) to
-        keep a prefix image at, on the last grid boundary at or before each (message checkpoints)."""
+        keep a prefix image at, on the last grid boundary at or before each (message checkpoints).
+        `cache_salt`: prefix images are shared only between requests of the same salt (tenants)."""
         ids, text = check_prompt(self, prompt)
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -163,6 +171,7 @@ class LLMEngine:
             detokenizer=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
             image_points=points,
             tally=TokenTally(ids, self.model_config.vocab_size) if params.penalized else None,
+            salt=(cache_salt or "").encode("utf-8", "surrogatepass"),
         )
         self.scheduler.add(seq)
         self.sequences[request_id] = seq
@@ -172,13 +181,13 @@ class LLMEngine:
         """Snapshot a prefill that just ended on one of its image points (never a decoded state:
         a cold prefill computes those tokens differently, C1)."""
         tokens = seq.prompt_ids[: seq.num_computed]
-        if seq.num_computed not in seq.image_points or not self.prefix.wants(tokens):
+        if seq.num_computed not in seq.image_points or not self.prefix.wants(tokens, seq.salt):
             return
         try:
             image = seq.cache.snapshot()
         except PoolExhausted:
             return  # an image is an optimisation; a full pool simply goes without
-        self.prefix.insert(tokens, image)
+        self.prefix.insert(tokens, image, seq.salt)
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.get(request_id)
@@ -328,6 +337,7 @@ class LLMEngine:
             "host_images": len(host) if host is not None else 0,
             "host_image_hits": self.prefix.host_hits if self.prefix is not None else 0,
             "kv_pages_free": self.pool.num_free,
+            "kv_pages_in_images": len(self.prefix.pages()) if self.prefix is not None else 0,
             "kv_pages_total": self.pool.num_pages,
             "state_slots_free": self.slots.num_free,
             "state_slots_total": self.slots.num_slots,
@@ -335,4 +345,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "spec_draft_tokens": self.spec_drafted,
             "spec_accepted_tokens": self.spec_accepted,
+            "preemptions": self.scheduler.swapper.preemptions,
+            "preempted_resumes": self.scheduler.swapper.resumes,
+            "preempted_waiting": len(self.scheduler.swapper.copies),
         }

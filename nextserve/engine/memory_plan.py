@@ -53,6 +53,7 @@ class MemoryPlan:
     keep_slots: int = 0
     kv_per_token: int = 0
     kv_tokens: int = 0
+    prefix_images: int = 0  # state copies kept for prefix reuse (taken out of the KV pool's memory)
     headroom: int = 0
     free_at_start: int | None = None  # device memory free before loading (CUDA)
 
@@ -86,6 +87,11 @@ class MemoryPlan:
             lines.append(
                 f"  KV pool: {self.kv_tokens:,} tokens x {self.kv_per_token:,} B = {gib(kv)} "
                 f"({fit} sequences of {SEQUENCE_TOKENS // 1024}K tokens)"
+            )
+        if self.prefix_images:
+            lines.append(
+                f"  prefix images: {self.prefix_images} x {gib(self.slot_bytes)} = "
+                f"{gib(self.prefix_images * self.slot_bytes)} of state copies (their pages are the pool's)"
             )
         if self.device.type == "cuda":
             lines.append(f"  headroom (CUDA graphs, activations): {gib(self.headroom)}")

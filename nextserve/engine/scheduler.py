@@ -1,5 +1,6 @@
 """Who runs next: admission under the slot and page limits, one prefill chunk per step between
-decode steps, all decoding sequences together."""
+decode steps, all decoding sequences together; pages taken as sequences grow, and preemption to host
+memory when they run short."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..cache.kv_pool import KVPool
 from ..cache.prefix import PrefixCache
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
+from .preemption import Swapper
 from .sequence import Sequence, Status
 from .speculative import Proposer
 
@@ -60,74 +62,151 @@ class Scheduler:
         prefix: PrefixCache | None = None,
         proposer: Proposer | None = None,
         kv_lag: int = 0,
+        swapper: Swapper | None = None,
+        lookahead: int = 1,
     ) -> None:
         """`kv_lag`: positions before a sequence's committed end that it still writes (SequenceCache.lag;
-        1 with MTP drafting)."""
+        1 with MTP drafting). `lookahead`: positions past a decode chunk's end that the step may write (a
+        verify window's drafts, the MTP block's chain, pipeline decode rounds), reserved with it."""
         self.pool, self.slots, self.prefix, self.proposer, self.kv_lag = pool, slots, prefix, proposer, kv_lag
-        self.prefill_chunk, self.max_pending = prefill_chunk, max_pending
+        self.prefill_chunk, self.max_pending, self.lookahead = prefill_chunk, max_pending, lookahead
+        self.swapper = swapper or Swapper(pool, slots, kv_lag, max_bytes=1 << 62)
+        self.margin = pool.page_size  # decode room admission reserves past the prompt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._arrivals = 0
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_pending:
             raise QueueFull(f"{len(self.waiting)} requests already wait (--max-pending {self.max_pending})")
+        seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.waiting.append(seq)
 
     def _admit(self) -> None:
-        # NOTE: admission reserves every page the sequence may ever need (prompt + max_tokens, capped
-        # by max_context), so no other request can cut it short and no preemption is needed (C2).
-        # First come first served: a head that does not fit blocks the ones behind it.
+        # NOTE: admission reserves the prompt and a margin (`_admission_tokens`); decode takes pages as
+        # the sequence grows (`_grow`), preempting to host memory when the pool runs short, so agent
+        # requests without max_tokens do not each hold a whole context. A new sequence is admitted only
+        # with a page left for every running one that may still grow. First come first served (preempted
+        # sequences first, in arrival order): a head that does not fit blocks the ones behind it.
         while self.waiting and self.slots.num_free > 0:
             seq = self.waiting[0]
-            cache = self._cache_for(seq)
+            tokens = self._admission_tokens(seq)
+            resumed = self.swapper.holds(seq)
+            if resumed:
+                need = self.swapper.pages_to_resume(seq, tokens)
+                cache = self.swapper.swap_in(seq, tokens) if self._room(need) else None
+            else:
+                cache = self._cache_for(seq, tokens)
             if cache is None:
                 break
             self.waiting.popleft()
+            if not resumed:
+                seq.num_computed = seq.num_cached_prompt = cache.length
             seq.cache = cache
-            seq.num_computed = seq.num_cached_prompt = cache.length
             seq.status = Status.RUNNING
             self.running.append(seq)
 
-    def _cache_for(self, seq: Sequence) -> SequenceCache | None:
-        """A cache holding every page seq may need, resumed from the longest stored prefix image;
-        None (nothing taken) when the pool cannot hold it even after dropping unused images."""
-        image = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
+    def _admission_tokens(self, seq: Sequence) -> int:
+        return min(seq.token_budget(), max(len(seq.prompt_ids), seq.num_computed) + self.margin)
+
+    def _growing(self) -> int:
+        """Running sequences that may still take a page (their budget beyond their pages)."""
+        pages_for = self.pool.pages_for
+        return sum(pages_for(s.token_budget()) > len(s.cache.block_table) for s in self.running)
+
+    def _room(self, pages: int) -> bool:
+        """Whether `pages` can be taken leaving one for each growing running sequence (dropping prefix
+        images that free pages for it)."""
+        while pages + self._growing() > self.pool.num_free:
+            if self.prefix is None or not self.prefix.evict_one():
+                return False
+        return True
+
+    def _cache_for(self, seq: Sequence, tokens: int) -> SequenceCache | None:
+        """A cache reserved for `tokens`, resumed from the longest stored prefix image; None (nothing
+        taken) when the pool cannot hold it even after dropping unused images."""
+        image = self.prefix.lookup(seq.prompt_ids, seq.salt) if self.prefix is not None else None
         cache = SequenceCache(self.pool, self.slots, lag=self.kv_lag)
         if image is not None:
             cache.restore(image)
-        budget = seq.token_budget()
-        while cache.pages_needed(budget) > self.pool.num_free:
+        while cache.pages_needed(tokens) + self._growing() > self.pool.num_free:
             if self.prefix is None or not self.prefix.evict_one(keep=image):
                 cache.free()
                 return None
-        cache.reserve(budget)
+        cache.reserve(tokens)
         return cache
 
     def schedule(self) -> StepPlan:
         self._admit()
         plan = StepPlan()
-        for seq in self.running:
+        stalled: list[Chunk] = []
+        for seq in list(self.running):
+            if seq.cache is None:  # preempted while this plan was made
+                continue
             if seq.in_prefill:
                 if not plan.prefills:
                     # NOTE: chunks lie on the grid of multiples of prefill_chunk from position 0 (C1).
                     start = seq.num_computed
                     end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(seq.prompt_ids))
                     plan.prefills.append(Chunk(seq, start, end, sample=end == len(seq.prompt_ids)))
-            elif seq.num_computed >= seq.token_budget() - 1:
+                continue
+            if seq.num_computed >= seq.token_budget() - 1:
                 # NOTE: only with async scheduling: its last token is still on the device (pending) and
                 # ends it by length; a sequence whose tokens are all read ends before this
                 continue
-            elif drafts := self._drafts(seq):
-                start = seq.num_computed
-                plan.verifies.append(Chunk(seq, start, start + 1 + len(drafts), sample=True, drafts=drafts))
-            else:
-                plan.decodes.append(Chunk(seq, seq.num_computed, seq.num_computed + 1, sample=True))
+            start = seq.num_computed
+            drafts = self._drafts(seq)
+            chunk = Chunk(seq, start, start + 1 + len(drafts), sample=True, drafts=drafts)
+            grown = self._grow(chunk, plan)
+            if grown is None:
+                stalled.append(chunk)
+            elif grown:
+                (plan.verifies if drafts else plan.decodes).append(chunk)
+        if stalled and plan.empty:
+            # NOTE: nothing else can run, so nothing would ever free pages: preempt past the host budget
+            chunk = stalled[0]
+            if self._grow(chunk, plan, over_budget=True):
+                (plan.verifies if chunk.drafts else plan.decodes).append(chunk)
         return plan
+
+    def _grow(self, chunk: Chunk, plan: StepPlan, over_budget: bool = False) -> bool | None:
+        """Reserve the pages chunk's step may write: True when they are, False when chunk's sequence was
+        preempted for them, None when it waits on the device (the host budget holds no more copies).
+
+        # NOTE: the pool short, unused prefix images go first, then the running sequence that arrived
+        # last (the chunk's own, when it is that one) moves to host memory (`Swapper`)."""
+        seq = chunk.seq
+        tokens = min(seq.token_budget(), chunk.end + self.lookahead)
+        while seq.cache.pages_needed(tokens) > self.pool.num_free:
+            if self.prefix is not None and self.prefix.evict_one():
+                continue
+            victim = max(self.running, key=lambda s: s.arrival)
+            if not over_budget and not self.swapper.has_room(victim):
+                return None
+            self.preempt(victim, plan)
+            if victim is seq:
+                return False
+        seq.cache.reserve(tokens)
+        return True
+
+    def preempt(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+        """Move a running sequence to host memory and queue it ahead of new prompts (arrival order)."""
+        if plan is not None:
+            for chunks in (plan.prefills, plan.decodes, plan.verifies):
+                chunks[:] = [ch for ch in chunks if ch.seq is not seq]
+        self.running.remove(seq)
+        self.swapper.swap_out(seq)
+        seq.status = Status.WAITING
+        at = 0
+        queue = self.waiting
+        while at < len(queue) and self.swapper.holds(queue[at]) and queue[at].arrival < seq.arrival:
+            at += 1
+        self.waiting.insert(at, seq)
 
     def _drafts(self, seq: Sequence) -> tuple[int, ...]:
         """Draft tokens for seq's next verify window: none without a proposer, for a request with a
         grammar (its matcher advances one token at a time), or when the proposer has none. The window's
-        positions stay inside the pages admission reserved (seq.token_budget())."""
+        positions stay below seq.token_budget() (`_grow` reserves its pages)."""
         if self.proposer is None or seq.constraint is not None:
             return ()
         limit = seq.token_budget() - seq.num_computed - 1
@@ -141,6 +220,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        self.swapper.drop(seq)
         if seq.cache is not None:
             seq.cache.free()
             seq.cache = None

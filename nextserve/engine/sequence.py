@@ -45,6 +45,8 @@ class Sequence:
     pending: list[int] = field(default_factory=list)
     num_emitted: int = 0  # output tokens handed out as deltas (LLMEngine.step(deltas=True))
     tally: TokenTally | None = None  # the history penalties read (params.penalized only)
+    arrival: int = 0  # order of arrival (Scheduler.add): preemption takes the latest first
+    salt: bytes = b""  # the tenant's cache salt: prefix images are shared only under the same salt
 
     @property
     def all_ids(self) -> list[int]:
@@ -112,7 +114,7 @@ class Sequence:
         return sample_row(logits, self.params, self.generator, self.constraint, self.tally, extra)
 
     def token_budget(self) -> int:
-        """Most tokens (prompt + output) this sequence can ever hold: what admission reserves."""
+        """Most tokens (prompt + output) this sequence can ever hold (its pages are taken as it grows)."""
         cap = self.max_context
         if self.params.max_tokens is not None:
             cap = min(cap, len(self.prompt_ids) + self.params.max_tokens)

@@ -145,6 +145,11 @@ def check_state_memory(
         )
 
 
+IMAGE_SHARE = 8  # auto prefix images' state copies take at most 1/8 of the KV pool's memory
+MAX_AUTO_IMAGES = 64
+AUTO_HOST_IMAGES = 64
+
+
 def kv_capacity(
     config: EngineConfig,
     cfg: ModelConfig,
@@ -152,39 +157,71 @@ def kv_capacity(
     dtype: torch.dtype,
     n_attn: int,
     stages: tuple | None = None,
-) -> int:
-    """Tokens of the KV pool: kv_capacity, or with "auto" what the free memory holds (on the CPU,
-    cpu_kv_budget_mib). `stages`: (layer ranges, devices, keep slots per slot) of pipeline stages, whose
-    weights and state slots are not loaded yet (stage_kv_tokens)."""
+) -> tuple[int, int]:
+    """(tokens of the KV pool, prefix images to keep): kv_capacity, or with "auto" what the free memory
+    holds (on the CPU, cpu_kv_budget_mib). `stages`: (layer ranges, devices, keep slots per slot) of
+    pipeline stages, whose weights and state slots are not loaded yet (stage_kv_tokens).
+
+    # NOTE: an image holds a copy of a state slot beside the pool (its pages are the pool's, shared): with
+    # --prefix-cache-images auto the copies get at most 1/IMAGE_SHARE of the pool's memory, taken out of
+    # the pool when its size is auto, never added on top of it."""
+    per_token = kv_bytes_per_token(cfg, n_attn, dtype)
+    slot = StateSlots.slot_bytes(cfg, KindRange.of(cfg), dtype)
     cap = config.kv_capacity
     if cap != "auto":
-        return int(cap)
+        return int(cap), prefix_images(config, int(cap) * per_token, slot)
+    headroom = config.memory_headroom_mib * 2**20
     if device.type == "cuda" and stages is not None:
         ranges, devices, steps = stages
         need = StageNeeds(cfg, dtype, config.max_concurrency, steps)
-        tokens = need.kv_tokens(ranges, devices, config.memory_headroom_mib * 2**20)
-    elif device.type == "cuda":  # one process: the weights and slots are in already
-        free, _ = torch.cuda.mem_get_info(device)
-        tokens = (free - config.memory_headroom_mib * 2**20) // kv_bytes_per_token(cfg, n_attn, dtype)
+        images = prefix_images(config, need.kv_tokens(ranges, devices, headroom) * per_token, slot)
+        tokens = need.kv_tokens(ranges, devices, headroom + images * slot)
     else:
-        tokens = config.cpu_kv_budget_mib * 2**20 // kv_bytes_per_token(cfg, n_attn, dtype)
+        if device.type == "cuda":  # one process: the weights and slots are in already
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free - headroom
+        else:
+            budget = config.cpu_kv_budget_mib * 2**20
+        images = prefix_images(config, budget, slot)
+        tokens = (budget - images * slot) // per_token
     if tokens < config.page_size:
         raise ConfigError(
             "not enough memory for the KV pool; lower --memory-headroom-mib or set --kv-capacity"
         )
-    return int(min(tokens, config.max_concurrency * cfg.max_position_embeddings))
+    return int(min(tokens, config.max_concurrency * cfg.max_position_embeddings)), images
 
 
-def build_prefix(config: EngineConfig, pool: KVPool) -> PrefixCache | None:
-    """The prefix cache (with its host store when --host-state-slots > 0), or None when it is off."""
-    if config.prefix_cache_images <= 0:
+def prefix_images(config: EngineConfig, pool_bytes: int, slot_bytes: int) -> int:
+    """--prefix-cache-images resolved: 0 with --no-prefix-cache; auto: what 1/IMAGE_SHARE of the pool's
+    bytes holds in state copies, 1 to MAX_AUTO_IMAGES."""
+    if not config.prefix_cache:
+        return 0
+    if config.prefix_cache_images != "auto":
+        return int(config.prefix_cache_images)
+    return int(max(1, min(MAX_AUTO_IMAGES, pool_bytes // IMAGE_SHARE // max(1, slot_bytes))))
+
+
+def host_images(config: EngineConfig) -> int:
+    """--host-state-slots resolved: auto is AUTO_HOST_IMAGES when the host has twice --host-kv-mib
+    available (MemAvailable), else 0."""
+    if config.host_state_slots != "auto":
+        return int(config.host_state_slots)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+    return AUTO_HOST_IMAGES if avail >= 2 * config.host_kv_mib * 2**20 else 0
+
+
+def build_prefix(config: EngineConfig, pool: KVPool, images: int) -> PrefixCache | None:
+    """The prefix cache of `images` images (with its host store when --host-state-slots resolves to more
+    than 0), or None when it is off."""
+    if images <= 0:
         return None
-    host = (
-        HostImageStore(config.host_state_slots, config.host_kv_mib * 2**20)
-        if config.host_state_slots > 0
-        else None
-    )
-    return PrefixCache(pool, config.prefill_chunk, config.prefix_cache_images, host)
+    slots = host_images(config)
+    host = HostImageStore(slots, config.host_kv_mib * 2**20) if slots > 0 else None
+    return PrefixCache(pool, config.prefill_chunk, images, host)
 
 
 def make_proposer(config: EngineConfig) -> NgramProposer | MtpProposer | None:

@@ -4,6 +4,7 @@ other stage repeats it on its planes (runtime/pipeline.py)."""
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -59,8 +60,9 @@ class StageMirror:
             mirrored_rewind,
         )
 
-    def mirror_host(self, prefix: PrefixCache) -> None:
-        """Record the prefix cache's moves to and from its host image store."""
+    def mirror_host(self, prefix: PrefixCache | Any) -> None:
+        """Record the moves of the prefix cache (to and from its host image store) or of the preempted
+        sequences (engine/preemption.Swapper): whatever holds `spill` and `unspill`."""
         spill, unspill = prefix.spill, prefix.unspill
 
         def mirrored_spill(pool: KVPool, image: SequenceImage) -> HostImage:

@@ -30,6 +30,7 @@ from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import CONTENT_TYPE
 from .prepare import ClientGone
 from .state import ServerState
+from .tenants import TENANT_KEY, tenant_salt
 
 request_log = logging.getLogger("nextserve.requests")
 
@@ -85,12 +86,17 @@ class _Middleware:
                 request_log.info(json.dumps(record, default=str))
 
     def _authorized(self, scope) -> bool:
+        """Whether the bearer token is one of the keys; the key's tenant salt goes into the scope."""
         for key, value in scope.get("headers", []):
             if key == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    token.strip().encode(), self.srv.api_key.encode()
-                )
+                given = token.strip().encode()
+                # NOTE: every key compared (constant time each), so the time says nothing of which matched
+                hits = [hmac.compare_digest(given, k.encode()) for k in self.srv.api_key]
+                if scheme.lower() != "bearer" or not any(hits):
+                    return False
+                scope[TENANT_KEY] = tenant_salt(self.srv.api_key[hits.index(True)])
+                return True
         return False
 
 
@@ -134,7 +140,7 @@ def _counted(receive, limit: int):
 def build_app(
     engine: AsyncEngine,
     served_model_name: str,
-    api_key: str | None = None,
+    api_key: str | tuple[str, ...] | None = None,
     *,
     keepalive_s: float = 5.0,
     limits: ServerLimits = DEFAULT_LIMITS,

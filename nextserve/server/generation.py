@@ -28,6 +28,7 @@ from .errors import LOG_KEY, APIError, bad, failure_error, raise_for_failure
 from .prepare import queue_full, wait_for_disconnect
 from .state import ServerState
 from .streaming import DONE, KEEPALIVE, EventStream, sse
+from .tenants import cache_salt
 
 # kind -> (request id prefix, object of a whole answer, object of a stream chunk)
 _KINDS = {
@@ -139,15 +140,16 @@ class Generation:
         fields.update(endpoint=kind, stream=req.stream, n=n)
         self.tracker = Tracker(srv, fields, self.rid, len(ids))
         self._ids_sent: dict[str, int] = {}
-        self.stream = self._submit(ids, choice_params(params, n), compiled_grammar, checkpoints)
+        salt = cache_salt(request.scope, req.cache_salt)
+        self.stream = self._submit(ids, choice_params(params, n), compiled_grammar, checkpoints, salt)
         self.created = int(time.time())
 
-    def _submit(self, ids, params: list[SamplingParams], compiled, checkpoints) -> OutputStream:
+    def _submit(self, ids, params: list[SamplingParams], compiled, checkpoints, salt) -> OutputStream:
         stream = None
         try:
             for rid, p in zip(self.rids, params, strict=True):
                 constraint = self.srv.grammar.constraint(compiled) if compiled is not None else None
-                stream = self.srv.engine.add_request(ids, p, rid, constraint, checkpoints, stream)
+                stream = self.srv.engine.add_request(ids, p, rid, constraint, checkpoints, stream, salt)
         except (QueueFull, ValueError, RuntimeError) as exc:
             for rid in stream.request_ids if stream is not None else ():
                 self.srv.engine.abort(rid)

@@ -27,7 +27,7 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    api_key: str | None = None,
+    api_key: str | tuple[str, ...] | None = None,
     served_model_name: str | None = None,
     keepalive_s: float = 5.0,
     shutdown_timeout_s: float = 30.0,

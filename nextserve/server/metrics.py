@@ -39,12 +39,23 @@ class _EngineCollector(Collector):
                 s.get("state_slots_total", 0) - s.get("state_slots_free", 0),
             ),
             "nextserve_state_slots_total": ("Recurrent-state slots", s.get("state_slots_total", 0)),
+            "nextserve_preempted_sequences": (
+                "Preempted sequences waiting in host memory to resume",
+                s.get("preempted_waiting", 0),
+            ),
+            "nextserve_prefix_images": ("Prefix images kept on the device", s.get("prefix_images", 0)),
+            "nextserve_host_prefix_images": ("Prefix images kept in host memory", s.get("host_images", 0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {  # speculative decoding (vLLM's spec_decode_num_draft/accepted_tokens)
             "nextserve_spec_draft_tokens": ("Draft tokens checked by verify windows", "spec_draft_tokens"),
             "nextserve_spec_accepted_tokens": ("Draft tokens accepted", "spec_accepted_tokens"),
+            "nextserve_preemptions": ("Running sequences moved to host memory for pages", "preemptions"),
+            "nextserve_preempted_resumes": (
+                "Preempted sequences resumed from host memory",
+                "preempted_resumes",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))

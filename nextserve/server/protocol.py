@@ -98,6 +98,8 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    # vLLM's field: prefix images are shared only between requests of one salt (within a tenant)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False  # vLLM's: each choice also carries its generated token ids
     # Constrained decoding extensions (vLLM's names); at most one constraint per request.
     guided_json: dict[str, Any] | str | None = None

@@ -18,7 +18,7 @@ from .prepare import Preparer
 class ServerState:
     engine: AsyncEngine
     name: str
-    api_key: str | None
+    api_key: str | tuple[str, ...] | None  # one key, or several (each a tenant: tenant_salt)
     keepalive_s: float
     metrics: ServerMetrics
     grammar: GrammarBackend
@@ -38,7 +38,7 @@ class ServerState:
         cls,
         engine: AsyncEngine,
         served_model_name: str,
-        api_key: str | None,
+        api_key: str | tuple[str, ...] | None,
         keepalive_s: float,
         limits: ServerLimits = DEFAULT_LIMITS,
     ) -> ServerState:
@@ -47,7 +47,7 @@ class ServerState:
         srv = cls(
             engine=engine,
             name=served_model_name,
-            api_key=api_key or None,
+            api_key=(api_key if isinstance(api_key, tuple) else (api_key,)) if api_key else None,
             keepalive_s=keepalive_s,
             metrics=ServerMetrics(engine.stats),
             grammar=GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_id),

@@ -47,7 +47,10 @@ async def finish(stream: OutputStream):
 
 
 def pool_full(s: dict[str, int]) -> bool:
-    return s["kv_pages_free"] == s["kv_pages_total"] and s["state_slots_free"] == s["state_slots_total"]
+    return (
+        s["kv_pages_free"] + s["kv_pages_in_images"] == s["kv_pages_total"]
+        and s["state_slots_free"] == s["state_slots_total"]
+    )
 
 
 def test_add_and_refusals_do_not_wait_for_a_step(engine):

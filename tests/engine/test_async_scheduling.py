@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 from test_batched_exactness import FLAGS
 from triton_interp import DEV
 
@@ -50,8 +51,7 @@ def _same(a, b) -> None:
 
 
 def _all_free(llm) -> None:
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"]), s
+    assert_pool_full(llm)
     assert not llm.engine.has_unfinished()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import SamplingParams
 
@@ -64,8 +65,7 @@ def test_batched_equals_serial(oracle_llm, solo_run) -> None:
     eng.runner.execute = watched
     outs = llm.generate([ids for ids, _ in reqs], [p for _, p in reqs])
 
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    s = assert_pool_full(llm)
     assert s["waiting"] == 0 and s["running"] == 0
     assert seen["waited_on_pages"] > 0 and seen["max_decode_rows"] >= 3 and seen["mixed_steps"] > 0, seen
 

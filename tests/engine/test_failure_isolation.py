@@ -3,6 +3,8 @@ step finish exactly as they would alone, and every page and slot comes back."""
 
 from __future__ import annotations
 
+from pool_check import assert_pool_full
+
 from nextserve import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -50,5 +52,4 @@ def _check_isolation(oracle_llm, solo_run, where: str) -> None:
     assert done[a].finish_reason == "error" and "grammar failed" in done[a].error
     assert done[b].finish_reason == "length" and done[b].error is None
     assert done[b].token_ids == solo_run(PROMPT_B, GREEDY).token_ids
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert_pool_full(llm)

@@ -68,6 +68,9 @@ def test_store_bounds_images_and_bytes_lru() -> None:
 
 def test_host_store_needs_the_prefix_cache() -> None:
     with pytest.raises(ConfigError, match="prefix_cache_images"):
-        EngineConfig(host_state_slots=2)
+        EngineConfig(prefix_cache_images=0, host_state_slots=2)
+    with pytest.raises(ConfigError, match="prefix reuse on"):
+        EngineConfig(prefix_cache=False, host_state_slots=2)
+    EngineConfig(prefix_cache=False)  # host_state_slots auto: off with prefix reuse
     with pytest.raises(ConfigError, match="host_kv_mib"):
         EngineConfig(prefix_cache_images=2, host_state_slots=2, host_kv_mib=-1)

@@ -6,6 +6,7 @@ on the trained default model most drafts are accepted; the pool is full again af
 from pathlib import Path
 
 import pytest
+from pool_check import assert_pool_full
 from spec_cases import PY_PROMPT, DraftLog, mtp_drafts_resumed_as_cold, py_prompts, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
@@ -21,8 +22,7 @@ SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=5, ignore
 
 
 def pool_full(llm: LLM) -> None:
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert_pool_full(llm)
 
 
 @pytest.fixture(autouse=True)
@@ -192,11 +192,14 @@ def test_mtp_needs_mtp_weights(tmp_path) -> None:
 
 def test_mtp_planes_count_in_the_pool_budget(small_model_dir) -> None:
     """The MTP layer's K/V and block-key planes (attention index n_qsa) live in the shared pool, and
-    `--kv-capacity auto` counts them in the bytes per token: the pool stays within its budget."""
-    budget = 2**20
+    `--kv-capacity auto` counts them in the bytes per token: the pool stays within its budget (less the
+    prefix images' state copies, which are taken out of it)."""
     flags = FLAGS | {"kv_capacity": "auto", "cpu_kv_budget_mib": 1}
     llm = LLM(str(small_model_dir), speculative_method="mtp", **flags)
     cfg, pool = llm.engine.model_config, llm.engine.pool
     assert pool.k.shape[0] == len(cfg.qsa_layers) + 1 == pool.block_keys.shape[0]
     page_bytes = sum(t[:, 0].numel() * t.element_size() for t in (pool.k, pool.v, pool.block_keys))
+    plan = llm.engine.plan
+    budget = 2**20 - plan.prefix_images * plan.slot_bytes
+    assert plan.prefix_images == max(1, 2**20 // 8 // plan.slot_bytes)  # at least one image
     assert budget - 2 * page_bytes < pool.num_pages * page_bytes <= budget + page_bytes

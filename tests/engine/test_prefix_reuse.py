@@ -2,6 +2,7 @@
 gives exactly the tokens and logprobs of a cold run (C1); images never starve admission (C2)."""
 
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import SamplingParams
 
@@ -35,8 +36,7 @@ def _run(llm, prompt, params, checkpoints=()):
 
 def _pool_full_after_clear(llm) -> None:
     llm.engine.clear_prefix_cache()
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert_pool_full(llm)
 
 
 def test_agent_turns_resume_exactly(oracle_llm, solo_run) -> None:
@@ -88,3 +88,33 @@ def test_anchors_and_images_never_starve_admission(oracle_llm, solo_run) -> None
     assert any(evicted), "the pool never ran short: the test does not exercise eviction"
     assert llm.stats()["prefix_images"] > 0
     _pool_full_after_clear(llm)
+
+
+def test_salted_requests_never_share_images(oracle_llm, solo_run) -> None:
+    """cache_salt (a tenant's, or a request's own) keys the images: the same prompt under another salt
+    runs cold (cached_tokens 0: nothing is revealed across salts), under its own salt it resumes."""
+    llm = oracle_llm()  # prefix reuse by default
+    prompt = _ids(70, 9)
+    runs = []
+    for salt in ("tenant-a", "tenant-b", None, "tenant-a", "tenant-b", None):
+        rid = llm.engine.add_request(list(prompt), GREEDY, cache_salt=salt)
+        done = None
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.request_id == rid and out.finished:
+                    done = out
+        runs.append(done)
+    assert [r.cached_tokens for r in runs] == [0, 0, 0, 64, 64, 64]
+    want = solo_run(prompt, GREEDY)
+    for r in runs:
+        _same(r, want)
+    _pool_full_after_clear(llm)
+
+
+def test_prefix_reuse_is_on_by_default_and_off_with_no_prefix_cache(oracle_llm) -> None:
+    on, off = oracle_llm(), oracle_llm(prefix_cache=False)
+    assert on.engine.prefix is not None and on.engine.plan.prefix_images >= 1
+    assert off.engine.prefix is None and off.engine.plan.prefix_images == 0
+    prompt = _ids(70, 10)
+    assert [_run(on, prompt, GREEDY).cached_tokens for _ in range(2)] == [0, 64]
+    assert [_run(off, prompt, GREEDY).cached_tokens for _ in range(2)] == [0, 0]

@@ -21,7 +21,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def full(llm) -> bool:
     s = llm.stats()
     return (
-        s["kv_pages_free"] == s["kv_pages_total"]
+        s["kv_pages_free"] + s["kv_pages_in_images"] == s["kv_pages_total"]
         and s["state_slots_free"] == s["state_slots_total"]
         and s["waiting"] == 0
         and s["running"] == 0
@@ -41,13 +41,13 @@ def drive(engine, max_steps: int = 2000) -> dict[str, object]:
 
 
 def test_admission_waits_for_pages_then_completes(oracle_llm, solo_run) -> None:
-    # 4 pages of 16 tokens; A reserves all of them (20 + 40 tokens), so B has to wait for pages
-    # although a state slot is free.
+    # 4 pages of 16 tokens; A's prompt and decode margin (40 + 16 tokens) take all of them, so B has to
+    # wait for pages although a state slot is free.
     flags = dict(kv_capacity=64, max_context=64, max_concurrency=4)
     llm = oracle_llm(**flags)
     eng = llm.engine
-    pa, pb = prompt(20, 1), prompt(10, 2)
-    a = eng.add_request(pa, SamplingParams(max_tokens=40, **GREEDY))
+    pa, pb = prompt(40, 1), prompt(10, 2)
+    a = eng.add_request(pa, SamplingParams(max_tokens=20, **GREEDY))
     b = eng.add_request(pb, SamplingParams(max_tokens=5, **GREEDY))
     done = {}
     b_waited_steps = 0
@@ -64,7 +64,7 @@ def test_admission_waits_for_pages_then_completes(oracle_llm, solo_run) -> None:
             assert llm.stats()["state_slots_free"] == 3 and llm.stats()["kv_pages_free"] == 0
             b_waited_steps += 1
     assert b_waited_steps > 10  # B waited through A's prefill and decode
-    assert done[a].finish_reason == "length" and len(done[a].token_ids) == 40
+    assert done[a].finish_reason == "length" and len(done[a].token_ids) == 20
     assert done[b].finish_reason == "length" and done[b].error is None
     assert done[b].token_ids == solo_run(pb, SamplingParams(max_tokens=5, **GREEDY), **flags).token_ids
     assert full(llm)
@@ -223,7 +223,8 @@ def test_abort_everything_at_every_stage(oracle_llm) -> None:
             eng.abort(rng.choice(ids))
     for rid in ids:
         eng.abort(rid)
-    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    s = llm.stats()
+    assert s["kv_pages_free"] + s["kv_pages_in_images"] == s["kv_pages_total"]
     assert llm.stats()["state_slots_free"] == llm.stats()["state_slots_total"]
     drive(eng)
     assert full(llm) and eng.sequences == {}

@@ -3,6 +3,7 @@ bit, and a speculating engine gives the serial reference's tokens and logprobs w
 right, all wrong, wrong here and there), greedy or seeded, with stops inside a window."""
 
 import pytest
+from pool_check import assert_pool_full
 from spec_cases import OracleProposer, check_window_batch, check_window_rows, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
@@ -55,8 +56,7 @@ def test_speculation_gives_the_serial_outputs(small_model_dir, params, k, wrong)
     oracle = OracleProposer(prompts, [o.token_ids for o in serial], k, wrong)
     llm.engine.scheduler.proposer = oracle
     same(serial, llm.generate(prompts, params))
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    s = assert_pool_full(llm)
     assert s["spec_draft_tokens"] > 0
     if wrong(0) and k == 3:  # every draft wrong: none accepted
         assert s["spec_accepted_tokens"] == 0

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import LLM, SamplingParams
 
@@ -30,8 +31,7 @@ def test_batched_equals_alone_on_cuda(tiny_model_dir, dtype: str) -> None:
         (alone,) = solo.generate([prompt], GREEDY)
         assert out.token_ids == alone.token_ids
         assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in alone.logprobs]
-    s = solo.stats()
-    assert s["kv_pages_free"] == s["kv_pages_total"]
+    assert_pool_full(solo)
 
 
 def test_cuda_float32_logits_close_to_cpu(tiny_model_dir) -> None:
@@ -68,11 +68,29 @@ def test_async_scheduling_equals_sync_on_cuda(tiny_model_dir, graph: bool) -> No
         llm = LLM(tiny_model_dir, async_scheduling=on, **flags)
         outs[on] = llm.generate(prompts, params)
         assert (llm.engine.runner._launches > 20) == on
-        s = llm.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        assert_pool_full(llm)
     for a, b in zip(outs[True], outs[False], strict=True):
         assert a.error is None and (a.token_ids, a.finish_reason, a.text) == (
             b.token_ids,
             b.finish_reason,
             b.text,
         )
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_growth_and_preemption_on_cuda_equal_a_roomy_pool(tiny_model_dir, graph: bool) -> None:
+    """Pages taken as sequences grow (block tables change under the CUDA graphs) and a preempted request
+    copied to host memory and back: the outputs of a pool that never runs short, bit for bit."""
+    prompts = _prompts()[1:4]
+    params = [SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True, logprobs=2)] * 2
+    params.append(SamplingParams(max_tokens=None, temperature=0.9, seed=4, ignore_eos=True, logprobs=2))
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, max_context=256,
+                 max_concurrency=3, cuda_graph=graph)  # fmt: skip
+    tight = LLM(tiny_model_dir, kv_capacity=512, **flags)
+    roomy = LLM(tiny_model_dir, kv_capacity=768, **flags)
+    got, want = tight.generate(prompts, params), roomy.generate(prompts, params)
+    assert tight.stats()["preemptions"] >= 1 and roomy.stats()["preemptions"] == 0
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids and len(a.prompt_token_ids) + len(a.token_ids) == 256
+        assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
+    assert_pool_full(tight)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import LLM, SamplingParams
 
@@ -44,8 +45,7 @@ def test_graphs_equal_eager_and_alone(small_model_dir, dtype: str, params: Sampl
     _same(graphed, eager)
     solo = LLM(small_model_dir, max_concurrency=1, **_flags(dtype))
     _same(graphed, [solo.generate([p], params)[0] for p in prompts])
-    s = solo.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert_pool_full(solo)
 
 
 def test_cuda_decode_close_to_cpu(oracle_model_dir) -> None:

@@ -6,6 +6,7 @@ table in pinned host memory gives the bits of the table on the device."""
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import LLM, SamplingParams
 from nextserve.model.make_model import make_model
@@ -41,8 +42,7 @@ def _prompts():
 def _run(model_dir, **flags):
     llm = LLM(str(model_dir), max_concurrency=4, **(FLAGS | flags))
     outs = llm.generate(_prompts(), PARAMS)
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert_pool_full(llm)
     return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs]
 
 

@@ -10,6 +10,7 @@ from functools import cache
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import LLM, SamplingParams
 
@@ -45,8 +46,7 @@ def _same(want, got) -> None:
 
 
 def _pool_full(llm: LLM) -> None:
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    assert_pool_full(llm)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -4,6 +4,7 @@ drafts from an oracle (ngram method) or from the model's MTP block (mtp method).
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 from spec_cases import (
     PY_PROMPT,
     DraftLog,
@@ -85,8 +86,7 @@ def test_mtp_speculation_gives_the_serial_outputs(params, dtype, k) -> None:
     serial = LLM(DEFAULT_MODEL, **flags).generate(prompts, params)
     llm = LLM(DEFAULT_MODEL, speculative_method="mtp", speculative_tokens=k, **flags)
     same(serial, llm.generate(prompts, params))
-    s = llm.stats()
-    assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+    s = assert_pool_full(llm)
     assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"], s
 
 
@@ -136,5 +136,4 @@ def test_mtp_with_prefix_reuse_on_cuda(small_model_dir) -> None:
     prompts = [base, base[:48] + [7, 8, 9], base + [11, 12]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
     _, warm = mtp_drafts_resumed_as_cold(small_model_dir, FLAGS, prompts, params)
-    s = warm.stats()
-    assert s["kv_pages_free"] == s["kv_pages_total"]
+    assert_pool_full(warm)

@@ -5,6 +5,7 @@ tests/gpu/test_pipeline_cuda.py."""
 
 import pytest
 import torch
+from pool_check import assert_pool_full
 
 from nextserve import LLM, SamplingParams
 from nextserve.cli import build_parser, engine_config_from_args
@@ -51,8 +52,7 @@ def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dty
     try:
         for params in PARAMS:
             _same(one.generate(prompts, params), split.generate(prompts, params))
-        s = split.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        assert_pool_full(split)
     finally:
         split.close()
     procs = split.engine.runner.procs
@@ -185,8 +185,7 @@ def test_a_failed_forward_fails_its_request_only(small_model_dir, monkeypatch) -
         got = split.generate(prompts, params)
         assert got[1].finish_reason == "error" and "pipeline stage" in got[1].error
         _same([want[i] for i in (0, 2, 3)], [got[i] for i in (0, 2, 3)])
-        s = split.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        assert_pool_full(split)
     finally:
         split.close()
 
@@ -200,15 +199,16 @@ def test_prefix_reuse_through_stages(small_model_dir, images: int) -> None:
     prompts = [base, base[:48] + [7, 8, 9], base + [11, 12], base[:33], base]
     params = PARAMS[0]
     want = LLM(str(small_model_dir), **FLAGS).generate(prompts, params)
-    split = LLM(str(small_model_dir), pipeline_stages=3, prefix_cache_images=images, **FLAGS)
+    split = LLM(
+        str(small_model_dir), pipeline_stages=3, prefix_cache_images=images, host_state_slots=0, **FLAGS
+    )
     try:
         got = [split.generate([p], params)[0] for p in prompts]  # one at a time: later ones resume
         _same(want, got)
         assert sum(o.cached_tokens for o in got) > 0
         split.engine.clear_prefix_cache()
         assert {op[0] for op in split.engine.runner.mirror.ops} == {"drop"}  # sent with the next step
-        s = split.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        assert_pool_full(split)
     finally:
         split.close()
 
@@ -235,9 +235,7 @@ def test_host_image_store_through_stages(small_model_dir, stages: int) -> None:
         split.engine.clear_prefix_cache()
         assert {op[0] for op in workers.mirror.ops} <= {"drop", "host_drop"}
         split.generate([_prompts()[3]], PARAMS[0])  # a step carries the drops to the stages
-        s = split.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
-        assert s["host_images"] == 0
+        assert assert_pool_full(split)["host_images"] == 0
     finally:
         split.close()
 
@@ -274,8 +272,7 @@ def test_speculation_through_stages(small_model_dir, stages: int, k: int, wrong,
             _same(one.generate(prompts, PARAMS[0]), got)
             assert sum(o.cached_tokens for o in got) > 0
             split.engine.clear_prefix_cache()
-        s = split.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        s = assert_pool_full(split)
         assert s["spec_draft_tokens"] > 0
         assert (s["spec_accepted_tokens"] == 0) == (wrong(0) and wrong(1))
     finally:
@@ -304,8 +301,7 @@ def test_decode_groups_give_the_single_device_outputs(small_model_dir, stages: i
             else:
                 _same(ref, got)
         assert len(split.generate(prompts, stop)[1].token_ids) == 5  # stopped inside a step's rounds
-        s = split.stats()
-        assert (s["kv_pages_free"], s["state_slots_free"]) == (s["kv_pages_total"], s["state_slots_total"])
+        assert_pool_full(split)
     finally:
         split.close()
 
@@ -379,3 +375,21 @@ def test_auto_kv_capacity_counts_every_stages_weights_and_slots(oracle_config, m
     assert got == min((budget - n0) // t0, (budget - n1) // t1)
     one_gpu = [torch.device("cuda", 0)] * 2  # both stages share one GPU: their needs add up
     assert needs.kv_tokens(ranges, one_gpu, 2**20) == (budget - n0 - n1) // (t0 + t1)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_preemption_through_the_stages_gives_the_single_device_outputs(small_model_dir, groups: int) -> None:
+    """A pool of two contexts, three requests without max_tokens: the one that arrived last moves to host
+    memory on every stage (each its own layers' pages and state) and comes back bit for bit."""
+    prompts = _prompts()[:3]
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True, logprobs=1)
+    flags = FLAGS | dict(kv_capacity=144, max_context=80, prefix_cache_images=0)
+    one = LLM(str(small_model_dir), dtype="float32", **(flags | {"kv_capacity": 240}))
+    split = LLM(str(small_model_dir), dtype="float32", pipeline_stages=2, decode_groups=groups, **flags)
+    try:
+        want, got = one.generate(prompts, params), split.generate(prompts, params)
+        assert split.stats()["preemptions"] >= 1 and one.stats()["preemptions"] == 0
+        _same(want, got)
+        assert_pool_full(split)
+    finally:
+        split.close()

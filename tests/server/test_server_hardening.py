@@ -376,9 +376,9 @@ def test_api_key_file(tmp_path):
 
     parser = build_parser()
     key = tmp_path / "key"
-    key.write_text("s3cret\nignored\n")
+    key.write_text("s3cret\n\n  other \n")  # one key a line, each a tenant (blank lines skipped)
     args = parser.parse_args(["serve", "--api-key-file", str(key)])
-    assert _api_key(args, parser) == "s3cret"
+    assert _api_key(args, parser) == ("s3cret", "other")
     for argv in (["--api-key-file", str(key), "--api-key", "x"], ["--api-key-file", str(tmp_path / "none")]):
         with pytest.raises(SystemExit):
             _api_key(parser.parse_args(["serve", *argv]), parser)
