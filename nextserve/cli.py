@@ -152,6 +152,14 @@ def _serve_parser(sub) -> None:
         "is visible in `ps`: prefer --api-key-file)",
     )
     server.add_argument(
+        "--reasoning",
+        choices=("on", "off"),
+        default="on",
+        help="on: the model thinks where its chat template lets it, and <think> content is returned apart "
+        "(reasoning_content, thinking blocks); off: the template's enable_thinking is false unless a request "
+        "sets chat_template_kwargs.enable_thinking (default: on)",
+    )
+    server.add_argument(
         "--api-key-file",
         default=None,
         metavar="PATH",
@@ -260,6 +268,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
             limits=limits,
+            reasoning=args.reasoning == "on",
         )
     except ConfigError as exc:
         print(f"nextserve serve: error: {exc}", file=sys.stderr)

@@ -22,20 +22,29 @@ from pydantic.json_schema import models_json_schema
 
 from ..engine.async_engine import AsyncEngine
 from . import protocol as P
-from . import routes_chat, routes_completions
+from . import routes_chat, routes_completions, routes_messages
+from .anthropic import CountTokensRequest, MessagesRequest
+from .body import BodyTooLarge
 from .checks import check_model
 from .errors import LOG_KEY, APIError, install_error_handlers
 from .generation import CLIENT_GONE
 from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import CONTENT_TYPE
 from .prepare import ClientGone
+from .routes_messages import anthropic_error
 from .state import ServerState
 from .tenants import TENANT_KEY, tenant_salt
 
 request_log = logging.getLogger("nextserve.requests")
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
-_BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest}
+_ENDPOINTS = {
+    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
+    "/health", "/metrics",
+}  # fmt: skip
+_BODIES = {
+    "/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
+    "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+}  # fmt: skip
 
 
 class _Middleware:
@@ -62,16 +71,16 @@ class _Middleware:
             await send(message)
 
         try:
+            # NOTE: the Messages dialect's routes answer in its own error shape, from here on too
+            shaped = anthropic_error if path.startswith("/v1/messages") else APIError.response
             if self.srv.api_key is not None and path.startswith("/v1") and not self._authorized(scope):
-                err = APIError(
-                    401, "Incorrect API key provided.", param=None, code="invalid_api_key"
-                ).response()
+                err = shaped(APIError(401, "Incorrect API key provided.", param=None, code="invalid_api_key"))
                 err.headers["WWW-Authenticate"] = "Bearer"
                 await err(scope, receive, send_status)
                 return
             limit = self.srv.limits.max_request_bytes
             if _content_length(scope) > limit:
-                await _too_large(limit).response()(scope, receive, send_status)
+                await shaped(_too_large(limit))(scope, receive, send_status)
                 return
             await self.app(scope, _counted(receive, limit), send_status)
         finally:
@@ -86,18 +95,24 @@ class _Middleware:
                 request_log.info(json.dumps(record, default=str))
 
     def _authorized(self, scope) -> bool:
-        """Whether the bearer token is one of the keys; the key's tenant salt goes into the scope."""
+        """Whether the bearer token (or the x-api-key header, Anthropic's) is one of the keys; the key's
+        tenant salt goes into the scope."""
         for key, value in scope.get("headers", []):
             if key == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                given = token.strip().encode()
-                # NOTE: every key compared (constant time each), so the time says nothing of which matched
-                hits = [hmac.compare_digest(given, k.encode()) for k in self.srv.api_key]
-                if scheme.lower() != "bearer" or not any(hits):
-                    return False
-                scope[TENANT_KEY] = tenant_salt(self.srv.api_key[hits.index(True)])
-                return True
+                if scheme.lower() == "bearer":
+                    return self._known(scope, token.strip().encode())
+            elif key == b"x-api-key":
+                return self._known(scope, value.strip())
         return False
+
+    def _known(self, scope, given: bytes) -> bool:
+        # NOTE: every key compared (constant time each), so the time says nothing of which matched
+        hits = [hmac.compare_digest(given, k.encode()) for k in self.srv.api_key]
+        if not any(hits):
+            return False
+        scope[TENANT_KEY] = tenant_salt(self.srv.api_key[hits.index(True)])
+        return True
 
 
 def _content_length(scope) -> int:
@@ -116,10 +131,6 @@ def _too_large(limit: int) -> APIError:
         f"The request body is larger than this server takes ({limit} bytes, --max-request-mib).",
         code="request_too_large",
     )
-
-
-class BodyTooLarge(Exception):
-    """A chunked request body passed --max-request-mib."""
 
 
 def _counted(receive, limit: int):
@@ -144,9 +155,12 @@ def build_app(
     *,
     keepalive_s: float = 5.0,
     limits: ServerLimits = DEFAULT_LIMITS,
+    reasoning: bool = True,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` as the model `served_model_name`."""
+    """The FastAPI app serving `engine` as the model `served_model_name` (`reasoning` False: --reasoning
+    off, the template's thinking off unless a request asks for it)."""
     srv = ServerState.for_engine(engine, served_model_name, api_key, keepalive_s, limits)
+    srv.thinking_off = not reasoning and srv.template_thinks
     app = FastAPI(title="nextserve", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.nextserve = srv
     app.add_middleware(_Middleware, srv=srv)
@@ -154,7 +168,8 @@ def build_app(
 
     @app.exception_handler(BodyTooLarge)
     async def _body_too_large(request: Request, exc: BodyTooLarge) -> Response:
-        return _too_large(limits.max_request_bytes).response()
+        err = _too_large(limits.max_request_bytes)
+        return anthropic_error(err) if request.url.path.startswith("/v1/messages") else err.response()
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone) -> Response:
@@ -193,6 +208,14 @@ def build_app(
     @app.post("/v1/completions", response_model=P.CompletionResponse, openapi_extra=body)
     async def completions(request: Request) -> Response:
         return await routes_completions.completions(srv, request)
+
+    @app.post("/v1/messages", openapi_extra=body)
+    async def messages(request: Request) -> Response:
+        return await routes_messages.messages(srv, request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=body)
+    async def count_tokens(request: Request) -> Response:
+        return await routes_messages.count_tokens(srv, request)
 
     _document_bodies(app)
     return app

@@ -21,6 +21,10 @@ _SCALARS = {int, float, bool, type(None)}
 Model = TypeVar("Model", bound=BaseModel)
 
 
+class BodyTooLarge(Exception):
+    """A chunked request body passed --max-request-mib (the app's middleware counts it)."""
+
+
 def parse_body(raw: bytes, model: type[Model], limits: ServerLimits, max_prompt: int | None = None) -> Model:
     """The request of body `raw`; raises APIError (400) when it is not one. `max_prompt`: token-id prompts
     longer than this are refused before their items are validated (they could never run)."""

@@ -32,6 +32,14 @@ def check_common(srv: ServerState, req: P._SamplingFields) -> None:
         raise bad("stream_options is only allowed when stream is true", param="stream_options")
 
 
+def with_reasoning_default(srv: ServerState, req: P.ChatCompletionRequest) -> P.ChatCompletionRequest:
+    """req with enable_thinking false where --reasoning off asks for it and the request does not say."""
+    kwargs = req.chat_template_kwargs or {}
+    if not srv.thinking_off or "enable_thinking" in kwargs:
+        return req
+    return req.model_copy(update={"chat_template_kwargs": kwargs | {"enable_thinking": False}})
+
+
 def check_chat(req: P.ChatCompletionRequest) -> None:
     if req.chat_template is not None:
         raise bad(

@@ -33,6 +33,7 @@ def serve(
     shutdown_timeout_s: float = 30.0,
     log_level: str = "info",
     limits: ServerLimits = DEFAULT_LIMITS,
+    reasoning: bool = True,
 ) -> None:
     """Binds host:port (a ConfigError when it cannot: before any model is loaded), loads the model and
     serves it until SIGINT/SIGTERM. On the signal it stops accepting connections, lets in-flight requests
@@ -69,7 +70,7 @@ def serve(
     name = served_model_name or str(config.model)
     app = None
     try:
-        app = build_app(engine, name, api_key, keepalive_s=keepalive_s, limits=limits)
+        app = build_app(engine, name, api_key, keepalive_s=keepalive_s, limits=limits, reasoning=reasoning)
         app.state.nextserve.grammar.warm_up()
         where = sock.getsockname()
 

@@ -11,10 +11,11 @@ from fastapi.responses import Response
 from ..engine.outputs import RequestOutput
 from . import protocol as P
 from .body import parse_body
-from .checks import check_chat, check_common, check_length, sampling_params
+from .checks import check_chat, check_common, check_length, sampling_params, with_reasoning_default
 from .constraints import output_constraint
 from .errors import bad
 from .generation import Generation, finite
+from .reasoning import ReasoningSplitter, reasoning_opened, split_reasoning
 from .render import encode_chat
 from .state import ServerState
 from .streaming import TextStream
@@ -27,6 +28,7 @@ async def chat_completions(srv: ServerState, request: Request) -> Response:
         req = await srv.prep.run(request, parse_body, raw, P.ChatCompletionRequest, srv.limits)
         check_common(srv, req)
         check_chat(req)
+        req = with_reasoning_default(srv, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tool_mode = bool(req.tools) and req.tool_choice != "none"
         try:
@@ -41,14 +43,15 @@ async def chat_completions(srv: ServerState, request: Request) -> Response:
         checkpoints = (checkpoint,) if checkpoint is not None else ()
         gen = Generation(srv, request, "chat", req, ids, params, compiled, checkpoints)
     names = {t["function"]["name"] for t in tools} if tools else None
+    opened = reasoning_opened(srv, ids)
     if req.stream:
-        return gen.stream_response([_ChatChoice(gen, req, names, i) for i in range(len(gen.rids))])
+        return gen.stream_response([_ChatChoice(gen, req, names, i, opened) for i in range(len(gen.rids))])
 
     def choice(out: RequestOutput, index: int) -> dict[str, Any]:
-        content: str | None = out.text
+        reasoning, content = split_reasoning(out.text, opened)
         calls = []
         if names is not None:
-            parsed = parse_tool_calls(out.text, names)
+            parsed = parse_tool_calls(content, names)
             content = parsed.content
             calls = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -56,9 +59,12 @@ async def chat_completions(srv: ServerState, request: Request) -> Response:
             ]
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         lps = {"content": _logprobs(srv, out, 0, gen.visible_count(out))} if req.logprobs else None
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if opened is not None:
+            message["reasoning_content"] = reasoning
         return {
             "index": index,
-            "message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "message": message,
             "logprobs": lps,
             "finish_reason": finish,
         }
@@ -98,10 +104,16 @@ class _ChatChoice:
     then the finish."""
 
     def __init__(
-        self, gen: Generation, req: P.ChatCompletionRequest, names: set[str] | None, index: int
+        self,
+        gen: Generation,
+        req: P.ChatCompletionRequest,
+        names: set[str] | None,
+        index: int,
+        opened: bool | None,
     ) -> None:
         self.gen, self.want_logprobs, self.index = gen, req.logprobs, index
         self.parser = ToolCallParser(names) if names is not None else None
+        self.reasoning = ReasoningSplitter(opened) if opened is not None else None
         self.texts = TextStream(gen.params.stop)
         self.lp_sent = 0
         self.pending: list[dict[str, Any]] = []  # logprobs not sent yet
@@ -125,11 +137,14 @@ class _ChatChoice:
             self.pending += _logprobs(self.gen.srv, out, self.lp_sent, visible)
             self.lp_sent = max(self.lp_sent, visible)
         delta = self.texts.delta(out.text, out.finished)
+        thought = ""
+        if self.reasoning is not None:
+            thought, delta = self.reasoning.feed(delta, out.finished)
         if self.parser is not None:
             events = self.parser.feed(delta) + (self.parser.finish() if out.finished else [])
         else:
             events = [ContentDelta(delta)] if delta else []
-        deltas = [_event_delta(ev) for ev in events]
+        deltas = ([{"reasoning_content": thought}] if thought else []) + [_event_delta(ev) for ev in events]
         if not self.opened:
             # NOTE: the role comes with the first token (as vLLM sends it), so a client that times the
             # first chunk measures the prefill.

@@ -12,6 +12,7 @@ from .grammar import GrammarBackend
 from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import ServerMetrics
 from .prepare import Preparer
+from .reasoning import thinks
 
 
 @dataclass
@@ -32,6 +33,9 @@ class ServerState:
     defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json sampling defaults
     token_cache: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     byte_decoder: dict[str, int] | None = None
+    thinks: bool = False  # the vocabulary has <think> and </think>: answers are split (server/reasoning.py)
+    template_thinks: bool = False  # the chat template reads enable_thinking
+    thinking_off: bool = False  # --reasoning off: enable_thinking false unless a request sets it
 
     @classmethod
     def for_engine(
@@ -58,6 +62,8 @@ class ServerState:
             model_path=str(engine.config.model),
             limits=limits,
             prep=Preparer(engine.num_waiting, engine.config.max_pending),
+            thinks=thinks(tokenizer),
+            template_thinks="enable_thinking" in (getattr(tokenizer, "chat_template", None) or ""),
             defaults=_generation_defaults(str(engine.config.model)),
         )
         if tokenizer is not None and _is_byte_level(tokenizer):

@@ -116,16 +116,20 @@ def test_preempted_request_equals_its_unpreempted_run(oracle_llm, flags) -> None
     assert drained(tight) and drained(roomy)
 
 
-def test_preempted_requests_resume_ahead_of_new_prompts(oracle_llm) -> None:
+def _until_one_is_preempted(oracle_llm, seed: int):
+    """Three long greedy requests on a pool of two contexts, stepped until one is preempted."""
     llm = oracle_llm(kv_capacity=2 * MAX_CONTEXT, max_context=MAX_CONTEXT, max_concurrency=4,
                      prefix_cache_images=0)  # fmt: skip
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    ids = [llm.engine.add_request(prompt(30, seed + i), params) for i in range(3)]
+    while not llm.stats()["preempted_waiting"]:
+        llm.engine.step()
+    return llm, ids
+
+
+def test_preempted_requests_resume_ahead_of_new_prompts(oracle_llm) -> None:
+    llm, ids = _until_one_is_preempted(oracle_llm, seed=20)
     eng = llm.engine
-    ids = [
-        eng.add_request(prompt(30, 20 + i), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
-        for i in range(3)
-    ]
-    while not llm.stats()["preemptions"]:
-        eng.step()
     late = eng.add_request(prompt(10, 99), SamplingParams(max_tokens=4, temperature=0.0))
     queue = list(eng.scheduler.waiting)
     preempted = [s for s in queue if eng.scheduler.swapper.holds(s)]
@@ -155,14 +159,8 @@ def test_a_full_host_budget_keeps_the_request_waiting_on_the_device(oracle_llm) 
 
 
 def test_abort_of_a_preempted_request_drops_its_host_copy(oracle_llm) -> None:
-    llm = oracle_llm(kv_capacity=2 * MAX_CONTEXT, max_context=MAX_CONTEXT, prefix_cache_images=0)
+    llm, ids = _until_one_is_preempted(oracle_llm, seed=40)
     eng = llm.engine
-    ids = [
-        eng.add_request(prompt(30, 40 + i), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
-        for i in range(3)
-    ]
-    while not llm.stats()["preempted_waiting"]:
-        eng.step()
     (victim,) = [s for s in eng.scheduler.waiting if eng.scheduler.swapper.holds(s)]
     eng.abort(victim.request_id)
     assert llm.stats()["preempted_waiting"] == 0 and eng.scheduler.swapper.nbytes == 0

@@ -121,12 +121,13 @@ def live_server(
     api_key: str | None = None,
     keepalive_s: float = 5.0,
     limits: ServerLimits = DEFAULT_LIMITS,
+    reasoning: bool = True,
     **flags,
 ) -> Iterator[LiveServer]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine thread and the test client share two cores
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **(BASE_FLAGS | flags)))
-    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s, limits=limits)
+    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s, limits=limits, reasoning=reasoning)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

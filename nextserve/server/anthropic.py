@@ -1,0 +1,245 @@
+"""The Anthropic Messages dialect: its request models, and its conversation as the chat route's request,
+so `/v1/messages` renders the chat template, checks limits, samples and parses tool calls exactly as
+`/v1/chat/completions` does (one conversation gives the same prompt tokens through either, and prefix
+reuse works across them).
+
+# NOTE: choices where the dialect and the chat route differ:
+# - system text: lines that start with "x-anthropic-billing-header:" (which some clients put into the
+#   system prompt and change every turn) are left out of the prompt, so they do not defeat prefix reuse;
+# - thinking blocks of earlier assistant turns go to the template as `reasoning_content` (the template
+#   decides whether they are rendered); `thinking` turns the template's `enable_thinking` on or off;
+# - cache_control is accepted and ignored: every prompt is cached on the prefill grid anyway;
+# - images and documents are refused (400): the model reads text only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from . import protocol as P
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+# NOTE: content blocks take fields this server does not know (the dialect adds them over time, and clients
+# send back the blocks they received, `caller` and `citations` included); the request's own fields do not.
+_BLOCK = ConfigDict(extra="ignore", strict=True)
+
+
+class _Cached(BaseModel):
+    model_config = _BLOCK
+    cache_control: dict[str, Any] | None = None  # accepted, ignored (see the NOTE above)
+
+
+class TextBlock(_Cached):
+    type: Literal["text"]
+    text: str
+    citations: list[Any] | None = None
+
+
+class ToolUseBlock(_Cached):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Cached):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(_Cached):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Cached):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class MediaBlock(BaseModel):
+    """An image or a document: refused with a message that says why."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document"]
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | MediaBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolDef(_Cached):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = _BLOCK
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(BaseModel):
+    model_config = _BLOCK
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: P.Finite | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: P.Finite | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: Thinking | None = None
+    service_tier: str | None = None
+    # nextserve's extensions, as on the chat route (vLLM's names)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    ignore_eos: bool = False
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+def system_text(system: str | list[TextBlock] | None) -> str | None:
+    """The system prompt as one text, without the lines a client changes every turn (module NOTE)."""
+    if system is None:
+        return None
+    text = system if isinstance(system, str) else "\n".join(b.text for b in system)
+    kept = [line for line in text.split("\n") if not line.startswith(BILLING_HEADER)]
+    return "\n".join(kept).strip("\n") or None
+
+
+def _text_of(blocks: list) -> str:
+    return "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+
+
+def _media_refused(where: str) -> ValueError:
+    return ValueError(f"{where}: image and document blocks are not supported: this model reads text only")
+
+
+def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat-completions messages (tool results become `tool` messages, tool_use blocks
+    `tool_calls` whose arguments are the input as JSON)."""
+    out: list[dict[str, Any]] = []
+    if (system := system_text(req.system)) is not None:
+        out.append({"role": "system", "content": system})
+    for i, msg in enumerate(req.messages):
+        blocks = [TextBlock(type="text", text=msg.content)] if isinstance(msg.content, str) else msg.content
+        if any(isinstance(b, MediaBlock) for b in blocks):
+            raise _media_refused(f"messages.{i}.content")
+        if msg.role == "user":
+            for b in blocks:
+                if isinstance(b, ToolResultBlock):
+                    content = b.content if isinstance(b.content, str) else _text_of(b.content)
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+            texts = [b for b in blocks if isinstance(b, TextBlock)]
+            if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                out.append({"role": "user", "content": _text_of(texts)})
+            continue
+        turn: dict[str, Any] = {"role": "assistant", "content": _text_of(blocks)}
+        thinking = "\n".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+        if thinking:
+            turn["reasoning_content"] = thinking
+        calls = [b for b in blocks if isinstance(b, ToolUseBlock)]
+        if calls:
+            turn["tool_calls"] = [
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
+                }
+                for b in calls
+            ]
+        out.append(turn)
+    return out
+
+
+def _tool_choice(choice: ToolChoice | None) -> Any:
+    if choice is None or choice.type == "auto":
+        return None
+    if choice.type == "any":
+        return "required"
+    if choice.type == "none":
+        return "none"
+    if not choice.name:
+        raise ValueError("tool_choice.name: a tool_choice of type 'tool' names the tool")
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+def chat_request(
+    req: MessagesRequest | CountTokensRequest, context: dict[str, Any]
+) -> P.ChatCompletionRequest:
+    """The chat-completions request the Messages request is (validated as the chat route validates)."""
+    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+    if req.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }  # fmt: skip
+            for t in req.tools
+        ]
+    if (choice := _tool_choice(req.tool_choice)) is not None:
+        body["tool_choice"] = choice
+    if req.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    if isinstance(req, MessagesRequest):
+        body |= {"max_tokens": req.max_tokens, "stream": req.stream}
+        extra = {"temperature": req.temperature, "top_p": req.top_p, "cache_salt": req.cache_salt,
+                 "guided_regex": req.guided_regex, "guided_grammar": req.guided_grammar,
+                 "ignore_eos": req.ignore_eos or None}  # fmt: skip
+        body |= {k: v for k, v in extra.items() if v is not None}
+        if req.top_k:
+            body["top_k"] = req.top_k
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+    return _CHAT.validate_python(body, context=context)
+
+
+_CHAT = TypeAdapter(P.ChatCompletionRequest)
+
+# Error types of the dialect by HTTP status (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+    503: "overloaded_error", 529: "overloaded_error",
+}  # fmt: skip
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
