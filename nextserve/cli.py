@@ -48,7 +48,13 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "(a model directory without a tokenizer needs this flag)",
     "host_state_slots": "prefix images kept in host memory when the device keeps no more (0: off; auto: 64 "
     "when prefix reuse is on and the host has twice --host-kv-mib available); a prompt resumes from them "
-    "as from device images",
+    "as from device images. Off by default: each image moved to the host is a synchronous copy, and no "
+    "benchmark shows the store helping yet (BENCHMARKS.md)",
+    "warm_up": "compile every kernel specialisation a request can meet at start (prefill chunks from "
+    "position 0 and from an image, of each length class), before /health says ready; GPU only "
+    "(--no-warm-up: skip)",
+    "compile_cache_dir": "directory for Triton's compiled kernels (default: Triton's own, ~/.triton/cache): "
+    "a restart with the same directory compiles nothing",
     "host_kv_mib": "host memory (MiB) for the host image store and the copies of preempted sequences "
     "(these first: images give way to them)",
     "cuda_graph": "replay each decode step (and, when speculating, each step's verify windows) as a "

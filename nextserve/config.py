@@ -287,11 +287,13 @@ class EngineConfig:
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
-    host_state_slots: int | str = "auto"  # prefix images kept in host memory (0: off; auto: on if room)
+    host_state_slots: int | str = 0  # prefix images kept in host memory (0: off; auto: on if room)
     host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
     ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
+    warm_up: bool = True  # compile every kernel specialisation at start, before serving (GPU only)
+    compile_cache_dir: str | None = None  # Triton's compile cache (a restart then compiles nothing)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -333,7 +335,11 @@ class EngineConfig:
             )
         if not isinstance(self.speculative_tokens, int) or not 1 <= self.speculative_tokens <= 32:
             raise ConfigError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens!r}")
-        for name in ("cuda_graph", "pdl", "async_scheduling", "skip_tokenizer"):
+        if self.compile_cache_dir is not None and (
+            not isinstance(self.compile_cache_dir, str) or not self.compile_cache_dir
+        ):
+            raise ConfigError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
+        for name in ("cuda_graph", "pdl", "async_scheduling", "skip_tokenizer", "warm_up"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:

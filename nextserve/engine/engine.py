@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import torch
 
@@ -33,6 +34,7 @@ from .setup import (
     make_proposer,
 )
 from .validate import check_prompt
+from .warmup import use_compile_cache, warm_up
 
 log = logging.getLogger("nextserve.engine")
 
@@ -41,7 +43,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: FlashNext | None = None) -> None:
         """`model`: an already-built model (benchmarks build random weights on the device); by default
         the weights of `config.model`, a model directory."""
+        t_start = time.perf_counter()
         self.config = config
+        if config.compile_cache_dir is not None:
+            use_compile_cache(config.compile_cache_dir)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         stages = config.pipeline_stages
         if model is None:
@@ -116,6 +121,16 @@ class LLMEngine:
         self._launched: LaunchedStep | None = None  # a decode step whose tokens the host has not read
         self._rng = random.Random(config.seed)
         self._next_id = 0
+        if self.device.type == "cuda" and config.warm_up:
+            warm_up(self)
+        log.info("engine ready in %.1f s", time.perf_counter() - t_start)
+
+    def reset_counters(self) -> None:
+        """Zero the counters the stats report (after the warm-up: the engine starts as if nothing ran)."""
+        self.spec_drafted = self.spec_accepted = 0
+        self.scheduler.swapper.preemptions = self.scheduler.swapper.resumes = 0
+        if self.prefix is not None:
+            self.prefix.host_hits = 0
 
     def close(self) -> None:
         """Stop what the engine started beside it (pipeline stage processes); idempotent."""

@@ -93,7 +93,7 @@ def test_anchors_and_images_never_starve_admission(oracle_llm, solo_run) -> None
 def test_salted_requests_never_share_images(oracle_llm, solo_run) -> None:
     """cache_salt (a tenant's, or a request's own) keys the images: the same prompt under another salt
     runs cold (cached_tokens 0: nothing is revealed across salts), under its own salt it resumes."""
-    llm = oracle_llm()  # prefix reuse by default
+    llm = oracle_llm(prefix_cache_images=8)  # room for the three salts' images
     prompt = _ids(70, 9)
     runs = []
     for salt in ("tenant-a", "tenant-b", None, "tenant-a", "tenant-b", None):

@@ -1,0 +1,56 @@
+"""Warm-up at start (issue 18): after it, no request triggers a Triton compile, whatever its prefill chunk
+lengths or whether it resumes from a prefix image. Run this file in a process of its own (kernels compiled
+by earlier tests of the process would hide a missing warm-up): `pytest -m gpu tests/gpu/test_warm_up.py`."""
+
+import sys
+
+import pytest
+import torch
+
+from nextserve import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def compiled_kernels() -> int:
+    """Compiled binaries held by every Triton kernel of nextserve's modules."""
+    total, seen = 0, 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("nextserve.ops"):
+            continue
+        for obj in vars(mod).values():
+            fn = obj if hasattr(obj, "device_caches") else getattr(obj, "fn", None)  # an autotuner wraps one
+            # NOTE: duck-typed (Triton's JITFunction class moves between releases): a kernel keeps, per
+            # device, a tuple whose first item is its dict of compiled binaries
+            caches = getattr(fn, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            seen += 1
+            total += sum(len(c[0]) for c in caches.values())
+    assert seen > 10, "no Triton kernels found"
+    return total
+
+
+def _requests(llm) -> None:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(8, 500, (70,), generator=g).tolist()
+    prompts = [base[:5], base[:37], base, base + [7, 8, 9], base[:64] + [11], base[:64] + list(range(20, 53))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for p in prompts:  # one at a time: later ones resume from earlier ones' images
+        llm.generate([p], params)
+
+
+def test_no_compile_after_the_warm_up(tiny_model_dir) -> None:
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=4096,
+                 max_context=1024, max_concurrency=4)  # fmt: skip
+    llm = LLM(tiny_model_dir, **flags)
+    before = compiled_kernels()
+    assert before > 0  # the warm-up and the graph capture compiled them
+    assert llm.stats()["prefix_images"] == 0  # the warm-up's images are gone
+    _requests(llm)
+    after = compiled_kernels()
+    assert after == before, f"{after - before} kernels compiled after the warm-up"
+    assert llm.stats()["prefix_images"] > 0
