@@ -50,6 +50,7 @@ class PrefixCache:
         self.pool, self.chunk, self.capacity, self.host = pool, chunk, capacity, host
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self.host_hits = 0  # lookups served by bringing an image back from the host store
+        self.hits = self.misses = 0  # lookups that found an image (device or host), and that found none
         # NOTE: the pipeline's driver has every stage repeat these on its own planes (StageMirror)
         self.spill, self.unspill = spill, unspill
 
@@ -72,6 +73,7 @@ class PrefixCache:
             entry = self._entries.get(hashes[k])
             if entry is not None and entry.tokens == tokens:
                 self._entries.move_to_end(hashes[k])
+                self.hits += 1
                 return entry.image
             if self.host is not None and (host := self.host.get(hashes[k], tokens)) is not None:
                 image = self.unspill(self.pool, host, self.pool.k.device)
@@ -79,8 +81,10 @@ class PrefixCache:
                     continue  # no free pages to bring it back: a shorter image or a cold prefill
                 self.host.drop(hashes[k])
                 self.host_hits += 1
+                self.hits += 1
                 self._insert(hashes[k], tokens, image)
                 return image
+        self.misses += 1
         return None
 
     def wants(self, tokens: list[int], salt: bytes = b"") -> bool:

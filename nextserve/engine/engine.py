@@ -130,7 +130,7 @@ class LLMEngine:
         self.spec_drafted = self.spec_accepted = 0
         self.scheduler.swapper.preemptions = self.scheduler.swapper.resumes = 0
         if self.prefix is not None:
-            self.prefix.host_hits = 0
+            self.prefix.host_hits = self.prefix.hits = self.prefix.misses = 0
 
     def close(self) -> None:
         """Stop what the engine started beside it (pipeline stage processes); idempotent."""
@@ -351,6 +351,8 @@ class LLMEngine:
             "prefix_images": len(self.prefix) if self.prefix is not None else 0,
             "host_images": len(host) if host is not None else 0,
             "host_image_hits": self.prefix.host_hits if self.prefix is not None else 0,
+            "prefix_hits": self.prefix.hits if self.prefix is not None else 0,
+            "prefix_misses": self.prefix.misses if self.prefix is not None else 0,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_in_images": len(self.prefix.pages()) if self.prefix is not None else 0,
             "kv_pages_total": self.pool.num_pages,

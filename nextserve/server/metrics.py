@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from ..bench.meters import EnergyMeter
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -18,8 +21,12 @@ _E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 6
 class _EngineCollector(Collector):
     """Gauges read from the engine at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]], device: torch.device | None = None) -> None:
         self.stats = stats
+        # NOTE: NVML's counter of the engine's GPU (nvidia-ml-py), read at each scrape; none on the CPU
+        meter = EnergyMeter(device) if device is not None and device.type == "cuda" else None
+        self.energy = meter if meter is not None and meter.handle is not None else None
+        self.mj0 = (self.energy.read_mj() or 0) if self.energy is not None else 0
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
@@ -56,13 +63,18 @@ class _EngineCollector(Collector):
                 "Preempted sequences resumed from host memory",
                 "preempted_resumes",
             ),
+            "nextserve_prefix_cache_hits": ("Prompts that resumed from a prefix image", "prefix_hits"),
+            "nextserve_prefix_cache_misses": ("Prompts that found no prefix image", "prefix_misses"),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        if self.energy is not None and (mj := self.energy.read_mj()) is not None:
+            doc = "GPU energy since the server started (NVML)"
+            yield CounterMetricFamily("nextserve_gpu_energy_joules", doc, value=(mj - self.mj0) / 1e3)
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]], device: torch.device | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -96,7 +108,7 @@ class ServerMetrics:
         self.e2e = Histogram(
             "nextserve_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS, registry=r
         )
-        r.register(_EngineCollector(stats))
+        r.register(_EngineCollector(stats, device))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

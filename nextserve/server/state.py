@@ -53,7 +53,7 @@ class ServerState:
             name=served_model_name,
             api_key=(api_key if isinstance(api_key, tuple) else (api_key,)) if api_key else None,
             keepalive_s=keepalive_s,
-            metrics=ServerMetrics(engine.stats),
+            metrics=ServerMetrics(engine.stats, llm.device),
             grammar=GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_id),
             tokenizer=tokenizer,
             vocab_size=mc.vocab_size,

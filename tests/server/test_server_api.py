@@ -63,8 +63,15 @@ def test_models_health_metrics(server):
         "nextserve_kv_pages_in_use",
         "nextserve_spec_draft_tokens_total",
         "nextserve_spec_accepted_tokens_total",
+        "nextserve_preemptions_total",
+        "nextserve_preempted_resumes_total",
+        "nextserve_prefix_cache_hits_total",
+        "nextserve_prefix_cache_misses_total",
+        "nextserve_preempted_sequences",
+        "nextserve_prefix_images",
     ):
         assert name in text, name
+    assert "nextserve_gpu_energy_joules" not in text  # NVML's counter exists on a GPU only
 
 
 def test_chat_usage_and_shape(server):

@@ -49,6 +49,7 @@ def test_next_turn_and_rewritten_message_resume_exactly(servers) -> None:
     assert text3 == _chat(cold, turn2)[0]
     s = warm.wait_idle()
     assert s["state_slots_free"] == s["state_slots_total"]
+    assert s["prefix_hits"] >= 2 and s["prefix_misses"] >= 1
 
 
 def _cached(client, messages, **extra) -> int:
