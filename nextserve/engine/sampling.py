@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ..step_plan import TokenLogprob
 from .penalties import TokenTally, adjust_logits
 
 # NOTE: a temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by a
@@ -100,13 +101,6 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes the model's logits before choosing (penalties, logit_bias)."""
         return self.penalized or bool(self.logit_bias)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -5,12 +5,12 @@ memory when they run short."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from ..cache.kv_pool import KVPool
 from ..cache.prefix import PrefixCache
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
+from ..step_plan import Chunk, StepPlan
 from .preemption import Swapper
 from .sequence import Sequence, Status
 from .speculative import Proposer
@@ -18,38 +18,6 @@ from .speculative import Proposer
 
 class QueueFull(RuntimeError):
     """The bounded waiting queue is full; the server answers 429/503 with this reason."""
-
-
-@dataclass
-class Chunk:
-    seq: Sequence
-    start: int
-    end: int
-    sample: bool  # the last row's logits choose the next token
-    drafts: tuple[int, ...] = ()  # a verify window: the draft tokens after the sequence's last token
-
-
-@dataclass
-class StepPlan:
-    prefills: list[Chunk] = field(default_factory=list)
-    decodes: list[Chunk] = field(default_factory=list)
-    verifies: list[Chunk] = field(default_factory=list)  # decoding sequences with drafts to check
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes and not self.verifies
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.prefills + self.decodes + self.verifies
-
-    def running(self) -> StepPlan:
-        """This plan without the chunks of sequences that finished since it was made."""
-
-        def keep(chunks: list[Chunk]) -> list[Chunk]:
-            return [ch for ch in chunks if not ch.seq.finished]
-
-        return StepPlan(keep(self.prefills), keep(self.decodes), keep(self.verifies))
 
 
 class Scheduler:

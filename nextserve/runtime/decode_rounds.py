@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine.sampling import TokenLogprob
-from ..engine.scheduler import Chunk
+from ..step_plan import Chunk, TokenLogprob
 from .runner import ChunkResult
 
 

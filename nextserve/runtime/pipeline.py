@@ -29,10 +29,10 @@ import torch
 from ..cache.kv_pool import KVPool, kv_bytes_per_token
 from ..cache.states import KindRange, StateSlots
 from ..config import EngineConfig, ModelConfig
-from ..engine.scheduler import Chunk, StepPlan
 from ..model.flash_next import FlashNext
 from ..model.loader import load_module, meta_device
 from ..model.shapes import expected_shapes
+from ..step_plan import Chunk, StepPlan
 from .decode_rounds import DecodeRounds, DecodeRow
 from .runner import ChunkResult, _describe
 from .stage_channel import StageChannel, free_port

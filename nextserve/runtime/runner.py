@@ -13,13 +13,12 @@ import torch
 from ..cache.decode_rows import eager_window
 from ..cache.kv_pool import KVPool
 from ..cache.states import StateSlots
-from ..engine.sampling import TokenLogprob
-from ..engine.scheduler import Chunk, StepPlan
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
 from ..ops.tokens import greedy_ids
+from ..step_plan import Chunk, StepPlan, TokenLogprob
 from .graph_runner import GraphRunner
 from .mtp_runner import MtpDrafter, MtpRows
 from .windows import accept_windows, plain_greedy, window_inputs

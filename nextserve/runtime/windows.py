@@ -10,8 +10,7 @@ import torch
 
 from ..cache.decode_rows import WINDOW_FIELDS
 from ..cache.states import StateSlots
-from ..engine.sampling import TokenLogprob
-from ..engine.scheduler import Chunk
+from ..step_plan import Chunk, TokenLogprob
 
 
 def window_inputs(chunks: list[Chunk], W: int, states: StateSlots) -> tuple[np.ndarray, list[list[int]]]:
