@@ -43,6 +43,9 @@ KNOWN_VALUES = {
     "memory_headroom_mib": 0,
     "cpu_kv_budget_mib": 64,
     "seed": 9,
+    "prefix_cache": True,  # (its flip, --no-prefix-cache, would refuse --host-state-slots 1)
+    "prefix_cache_images": 5,
+    "host_state_slots": 3,
 }
 
 
@@ -52,7 +55,7 @@ def test_flags_reach_engine_config():
         flag = "--" + f.name.replace("_", "-")
         if f.name in KNOWN_VALUES:
             value = KNOWN_VALUES[f.name]
-            argv += [flag, str(value)]
+            argv += [flag] if value is True else [flag, str(value)]
         elif isinstance(f.default, bool):
             value = not f.default
             argv.append(flag if value else "--no-" + flag[2:])
