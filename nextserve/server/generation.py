@@ -194,18 +194,24 @@ class Generation:
         return n
 
     # -- answering whole --------------------------------------------------------------------------------
-    async def respond(
-        self, request: Request, choice_of: Callable[[RequestOutput, int], dict[str, Any]]
-    ) -> Response:
+    async def finished_outputs(self, request: Request) -> list[RequestOutput] | None:
+        """Every choice's final output (a failed one raised as its APIError); None when the client left
+        (the request aborted). Anything else raised aborts the request too."""
         try:
             outs = await self._collect(request)
         except BaseException:
             self.close()
             raise
+        for out in outs or ():
+            raise_for_failure(out)
+        return outs
+
+    async def respond(
+        self, request: Request, choice_of: Callable[[RequestOutput, int], dict[str, Any]]
+    ) -> Response:
+        outs = await self.finished_outputs(request)
         if outs is None:
             return Response(status_code=CLIENT_GONE)  # nobody is listening
-        for out in outs:
-            raise_for_failure(out)
         choices = [choice_of(out, i) for i, out in enumerate(outs)]
         if self.token_ids:
             for choice, out in zip(choices, outs, strict=True):

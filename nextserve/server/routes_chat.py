@@ -22,6 +22,36 @@ from .streaming import TextStream
 from .tool_calls import CallArgs, CallStart, ContentDelta, Event, ToolCallParser, parse_tool_calls
 
 
+async def chat_prompt(
+    srv: ServerState, request: Request, req: P.ChatCompletionRequest
+) -> tuple[list[int], int | None]:
+    """The rendered prompt's ids and its message checkpoint (a template that rejects the chat: a 400)."""
+    try:
+        return await srv.prep.run(request, encode_chat, srv.tokenizer, req)
+    except ValueError as exc:
+        raise bad(str(exc), param="messages") from None
+
+
+async def start_chat(
+    srv: ServerState,
+    request: Request,
+    req: P.ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> tuple[Generation, list[int], set[str] | None]:
+    """A checked chat request (also the Messages dialect's, translated) queued to the engine: its
+    Generation, prompt ids and the tool names its answer may call (None: no tool calls are parsed)."""
+    ids, checkpoint = await chat_prompt(srv, request, req)
+    check_length(srv, len(ids), max_tokens, "messages")
+    params = sampling_params(srv, req, max_tokens, logprobs)
+    tool_mode = bool(req.tools) and req.tool_choice != "none"
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_mode else None
+    compiled = await output_constraint(srv, request, req, tools, req.tool_choice)
+    checkpoints = (checkpoint,) if checkpoint is not None else ()
+    gen = Generation(srv, request, "chat", req, ids, params, compiled, checkpoints)
+    return gen, ids, ({t["function"]["name"] for t in tools} if tools else None)
+
+
 async def chat_completions(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         raw = await request.body()
@@ -30,19 +60,8 @@ async def chat_completions(srv: ServerState, request: Request) -> Response:
         check_chat(req)
         req = with_reasoning_default(srv, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        tool_mode = bool(req.tools) and req.tool_choice != "none"
-        try:
-            ids, checkpoint = await srv.prep.run(request, encode_chat, srv.tokenizer, req)
-        except ValueError as exc:
-            raise bad(str(exc), param="messages") from None
-        check_length(srv, len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(srv, req, max_tokens, logprobs)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_mode else None
-        compiled = await output_constraint(srv, request, req, tools, req.tool_choice)
-        checkpoints = (checkpoint,) if checkpoint is not None else ()
-        gen = Generation(srv, request, "chat", req, ids, params, compiled, checkpoints)
-    names = {t["function"]["name"] for t in tools} if tools else None
+        gen, ids, names = await start_chat(srv, request, req, max_tokens, logprobs)
     opened = reasoning_opened(srv, ids)
     if req.stream:
         return gen.stream_response([_ChatChoice(gen, req, names, i, opened) for i in range(len(gen.rids))])

@@ -16,13 +16,12 @@ from pydantic import ValidationError
 from ..engine.outputs import RequestOutput
 from . import anthropic as A
 from .body import BodyTooLarge, parse_body
-from .checks import check_chat, check_common, check_length, sampling_params, with_reasoning_default
-from .constraints import output_constraint
+from .checks import check_chat, check_common, with_reasoning_default
 from .errors import APIError, bad, failure_error, log, validation_error
 from .generation import CLIENT_GONE, Generation
 from .prepare import ClientGone
 from .reasoning import ReasoningSplitter, reasoning_opened, split_reasoning
-from .render import encode_chat
+from .routes_chat import chat_prompt, start_chat
 from .state import ServerState
 from .streaming import EventStream, TextStream
 from .tool_calls import CallArgs, CallStart, ContentDelta, ToolCallParser, parse_tool_calls
@@ -52,10 +51,7 @@ async def count_tokens(srv: ServerState, request: Request) -> Response:
     try:
         async with srv.prep.admit():
             _, chat = await _chat_of(srv, request, A.CountTokensRequest)
-            try:
-                ids, _ = await srv.prep.run(request, encode_chat, srv.tokenizer, chat)
-            except ValueError as exc:
-                raise bad(str(exc), param="messages") from None
+            ids, _ = await chat_prompt(srv, request, chat)
     except APIError as exc:
         return anthropic_error(exc)
     return JSONResponse({"input_tokens": len(ids)})
@@ -76,31 +72,14 @@ async def messages(srv: ServerState, request: Request) -> Response:
 async def _messages(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         req, chat = await _chat_of(srv, request, A.MessagesRequest)
-        try:
-            ids, checkpoint = await srv.prep.run(request, encode_chat, srv.tokenizer, chat)
-        except ValueError as exc:
-            raise bad(str(exc), param="messages") from None
-        check_length(srv, len(ids), req.max_tokens, "messages")
-        params = sampling_params(srv, chat, req.max_tokens, None)
-        tool_mode = bool(chat.tools) and chat.tool_choice != "none"
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if tool_mode else None
-        compiled = await output_constraint(srv, request, chat, tools, chat.tool_choice)
-        checkpoints = (checkpoint,) if checkpoint is not None else ()
-        gen = Generation(srv, request, "chat", chat, ids, params, compiled, checkpoints)
-    names = {t["function"]["name"] for t in tools} if tools else None
+        gen, ids, names = await start_chat(srv, request, chat, req.max_tokens, None)
     reply = _Reply(srv, gen, req, names, reasoning_opened(srv, ids))
     if req.stream:
         return EventStream(reply.events(), on_close=gen.close, request_id=reply.id)
-    try:
-        outs = await gen._collect(request)
-    except BaseException:
-        gen.close()
-        raise
+    outs = await gen.finished_outputs(request)
     if outs is None:
         return Response(status_code=CLIENT_GONE)
     (out,) = outs
-    if out.finish_reason in ("error", "abort"):
-        raise failure_error(out)
     return JSONResponse(reply.whole(out), headers={"X-Request-Id": reply.id})
 
 
@@ -114,11 +93,12 @@ class _Reply:
         self.srv, self.gen, self.req, self.names, self.opened = srv, gen, req, names, opened
         self.id = "msg_" + uuid.uuid4().hex
 
-    def usage(self, out: RequestOutput | None) -> dict[str, int]:
-        cached = out.cached_tokens if out is not None else 0
+    def usage(self, out: RequestOutput, output_tokens: int | None = None) -> dict[str, int]:
+        """The dialect's usage of `out` (input_tokens do not count the cached ones, as Anthropic's)."""
+        cached = out.cached_tokens
         return {
             "input_tokens": self.gen.n_prompt - cached,
-            "output_tokens": len(out.token_ids) if out is not None else 0,
+            "output_tokens": len(out.token_ids) if output_tokens is None else output_tokens,
             "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0,
         }
@@ -190,8 +170,7 @@ class _Reply:
                         yield _event("message_start", {"type": "message_start", "message": {
                             "id": self.id, "type": "message", "role": "assistant", "model": self.srv.name,
                             "content": [], "stop_reason": None, "stop_sequence": None,
-                            "usage": self.usage(None) | {"input_tokens": gen.n_prompt - out.cached_tokens,
-                                                         "cache_read_input_tokens": out.cached_tokens},
+                            "usage": self.usage(out, output_tokens=0),
                         }})  # fmt: skip
                     delta = texts.delta(out.text, out.finished)
                     if thinking is not None:

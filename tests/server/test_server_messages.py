@@ -56,25 +56,13 @@ def test_plain_and_streamed_answers_agree(server) -> None:
 
 def test_tool_round_trip(server) -> None:
     c = client(server)
-    first = c.messages.create(
-        model=MODEL_NAME,
-        max_tokens=256,
-        messages=USER,
-        tools=[WEATHER],
-        tool_choice={"type": "any"},
-        extra_body=GREEDY,
-    )
+    ask = dict(model=MODEL_NAME, max_tokens=256, messages=USER, tools=[WEATHER], tool_choice={"type": "any"},
+               extra_body=GREEDY)  # fmt: skip
+    first = c.messages.create(**ask)
     assert first.stop_reason == "tool_use"
     call, *_ = [b for b in first.content if b.type == "tool_use"]
     assert call.name == "get_weather" and call.input["city"] in ("Paris", "Oslo") and call.id
-    with c.messages.stream(
-        model=MODEL_NAME,
-        max_tokens=256,
-        messages=USER,
-        tools=[WEATHER],
-        tool_choice={"type": "any"},
-        extra_body=GREEDY,
-    ) as stream:
+    with c.messages.stream(**ask) as stream:
         streamed = stream.get_final_message()
 
     def shown(blocks):  # the call ids are each answer's own
