@@ -19,13 +19,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nextserve.bench.model import bench_config, engine_for_model, random_flash_next, start_decoding  # noqa: E402
+from nextserve.bench.profile import kernel_table as kernel_table_of  # noqa: E402
+from nextserve.bench.profile import profile_prefill  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
 from nextserve.engine.scheduler import Chunk  # noqa: E402
 
 
 def kernel_table(engine, top: int) -> dict:
-    """One eager decode step under torch.profiler: device kernels summed by name."""
+    """One eager decode step under torch.profiler: device kernels summed by name (kernel_ms_total, top)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -39,17 +41,7 @@ def kernel_table(engine, top: int) -> dict:
             sync()
     finally:
         engine.runner.graphs = graphs
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA or engine.device.type == "cpu":
-            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
-    total = sum(r[0] for r in rows)
-    return {
-        "kernels": sum(r[1] for r in rows),
-        "kernel_us_total": round(total, 1),
-        "top": [{"us": round(t, 1), "count": n, "name": k[:120]} for t, n, k in rows[:top]],
-    }
+    return kernel_table_of(prof, top)
 
 
 def host_profile(engine, steps: int, top: int = 15) -> list[dict]:
@@ -126,43 +118,6 @@ def engine_phases(engine, steps: int) -> dict:
     return out
 
 
-def prefill_table(engine, prompt: list[int], top: int) -> dict:
-    """Two prefills of `prompt` (the first warms up): the second's wall time and kernel table."""
-    from torch.profiler import ProfilerActivity, profile
-
-    out = {}
-    for attempt in ("warm", "profiled"):
-        rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        seq = engine.sequences[rid]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        if attempt == "warm":
-            while not seq.output_ids:
-                engine.step()
-            out["warm_ttft_s"] = round(time.perf_counter() - t, 3)
-        else:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                while not seq.output_ids:
-                    engine.step()
-                torch.cuda.synchronize()
-            out["profiled_ttft_s"] = round(time.perf_counter() - t, 3)
-        while engine.has_unfinished():
-            engine.step()
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
-    out["kernels"] = sum(r[1] for r in rows)
-    out["kernel_us_total"] = round(sum(r[0] for r in rows), 1)
-    out["top"] = [{"us": round(t, 1), "count": n, "name": k[:120]} for t, n, k in rows[:top]]
-    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-    out["top_host_ops"] = [
-        {"op": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 2)} for e in cpu
-    ]
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-next")
@@ -185,7 +140,13 @@ def main() -> None:
     max_new = conc + 8 * args.steps + 16
     cap = conc * (args.prompt_len + max_new + 64) + 64
     engine = engine_for_model(
-        model, device, dtype, max_concurrency=conc, kv_capacity=cap, max_context=cap // conc
+        model,
+        device,
+        dtype,
+        max_concurrency=conc,
+        kv_capacity=cap,
+        max_context=cap // conc,
+        prefix_cache=False,  # the prefill profile's repeats of one prompt run cold
     )
     out = {
         "git": git_info(args.revision),
@@ -236,7 +197,7 @@ def main() -> None:
             engine.step()
     if args.prefill:
         prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-        out["prefill"] = prefill_table(engine, prompt, args.top)
+        out["prefill"] = profile_prefill(engine, prompt, args.top)
     print(json.dumps(out, indent=1))
 
 

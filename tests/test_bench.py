@@ -118,3 +118,21 @@ def test_decode_bytes_of_the_reference_config() -> None:
     many = bench.decode_step_bytes(cfg, concurrency=32, context=1024)
     assert one["weights_dense"] == many["weights_dense"]
     assert 10 < many["expected_distinct_experts_per_layer"] < 320
+
+
+def test_profile_prefill_times_every_family_of_a_cold_prefill(one_thread) -> None:
+    """The prefill profile on a tiny CPU engine: each of its four prefills runs cold (no prefix image
+    resumes the repeats: prefix_cache=False), and the module families of the model all show."""
+    from nextserve.bench.profile import profile_prefill
+
+    cfg, _ = bench.bench_config("tiny")
+    model = bench.random_flash_next(cfg, "cpu", torch.float32, seed=1)
+    engine = bench.engine_for_model(
+        model, torch.device("cpu"), torch.float32, max_context=256, prefill_chunk=16, prefix_cache=False
+    )
+    res = profile_prefill(engine, list(range(3, 43)), top=5)
+    assert res["tokens"] == 40 and res["ttft_s"] > 0 and res["ttft_s_profiled"] > 0
+    assert {"gdn", "qsa_attention", "qsa_indexer", "moe_routed_and_router", "hyper_connection", "ple"} <= set(
+        res["self_ms_per_module_kind"]
+    )
+    assert not engine.has_unfinished()

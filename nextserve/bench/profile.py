@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,22 +32,13 @@ def _module_kind(module: torch.nn.Module) -> str | None:
     return kinds.get(type(module))
 
 
-def profile_decode_step(engine, prompt: list[int], meter: EnergyMeter, top: int = 12) -> dict[str, Any]:
-    """Where one decode step at concurrency 1 spends its time.
-
-    (1) Self wall time per module kind (device synced at every module boundary, so each module's time
-    includes its kernels): HC, GDN, QSA attention and indexer, MoE (router + routed experts) and shared
-    expert, PLE; the rest of the step (embedding, logits, sampling, scheduling) is `outside_modules`.
-    (2) torch.profiler over one more step: device activity count, summed kernel time and the top ops."""
-    from ..engine.sampling import SamplingParams
-
+@contextlib.contextmanager
+def module_self_times(engine, patch_window: bool = False) -> Iterator[dict[str, float]]:
+    """Self wall seconds per module kind (`_module_kind`) of what runs inside, filled in as it runs: the
+    device is synced at every module boundary, so each module's time includes its kernels. CUDA graphs
+    are off inside (a replay has no module boundaries). patch_window: time the modules' `window`
+    methods (decode rows) as their `forward` hooks time prefill."""
     device = engine.device
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    seq = engine.sequences[rid]
-    while not seq.output_ids:
-        engine.step()
-    engine.step()  # one plain decode step first
-
     totals: dict[str, float] = {}
     stack: list[list[float]] = []  # [start, child time]
 
@@ -71,26 +64,42 @@ def profile_decode_step(engine, prompt: list[int], meter: EnergyMeter, top: int 
 
         return run
 
-    # NOTE: the decode step runs eagerly here (a graph replay has no module boundaries to time), and
-    # its modules' `window` methods (a decode step is a window of one row each) are timed as their
-    # `forward` hooks time prefill.
     handles, patched, graphs = [], [], engine.runner.graphs
     engine.runner.graphs = None
     for m in engine.model.modules():
         if _module_kind(m) is not None:
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-            if hasattr(m, "window"):
+            if patch_window and hasattr(m, "window"):
                 m.window = timed(m, m.window)
                 patched.append(m)
     try:
-        with Window(device, meter) as w:
-            engine.step()
+        yield totals
     finally:
         for h in handles:
             h.remove()
         for m in patched:
             del m.window
         engine.runner.graphs = graphs
+
+
+def profile_decode_step(engine, prompt: list[int], meter: EnergyMeter, top: int = 12) -> dict[str, Any]:
+    """Where one decode step at concurrency 1 spends its time.
+
+    (1) Self wall time per module kind (device synced at every module boundary, so each module's time
+    includes its kernels): HC, GDN, QSA attention and indexer, MoE (router + routed experts) and shared
+    expert, PLE; the rest of the step (embedding, logits, sampling, scheduling) is `outside_modules`.
+    (2) torch.profiler over one more step: device activity count, summed kernel time and the top ops."""
+    from ..engine.sampling import SamplingParams
+
+    device = engine.device
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    seq = engine.sequences[rid]
+    while not seq.output_ids:
+        engine.step()
+    engine.step()  # one plain decode step first
+
+    with module_self_times(engine, patch_window=True) as totals, Window(device, meter) as w:
+        engine.step()
     in_modules = sum(totals.values())
     per_kind = {k: round(v * 1000, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     per_kind["outside_modules"] = round((w.seconds - in_modules) * 1000, 3)
@@ -160,3 +169,57 @@ def _torch_profile(engine, top: int) -> dict[str, Any]:
             for e in ops
         ],
     }
+
+
+def kernel_table(prof, top: int) -> dict[str, Any]:
+    """A torch.profiler run's device kernels summed by name: count, total and the `top` by time."""
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    rows = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    return {
+        "kernels": sum(r[1] for r in rows),
+        "kernel_ms_total": round(sum(r[0] for r in rows) / 1000, 3),
+        "top": [{"ms": round(t / 1000, 3), "count": n, "name": k[:120]} for t, n, k in rows[:top]],
+    }
+
+
+def profile_prefill(engine, prompt: list[int], top: int = 30) -> dict[str, Any]:
+    """Where a cold prefill of `prompt` spends its time (the engine must not resume it from a prefix
+    image: build it with prefix_cache=False). Four prefills of it: a warm-up, a plain timed one (TTFT),
+    one with module-kind self times (op families, synced at module boundaries), one under torch.profiler
+    (kernels summed by name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine.sampling import SamplingParams
+
+    device = engine.device
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill() -> float:
+        rid = engine.add_request(prompt, params)
+        seq = engine.sequences[rid]
+        sync(device)
+        t0 = time.perf_counter()
+        while not seq.output_ids:
+            engine.step()
+        sync(device)
+        took = time.perf_counter() - t0
+        while engine.has_unfinished():
+            engine.step()
+        return took
+
+    out: dict[str, Any] = {"tokens": len(prompt), "warm_up_ttft_s": round(prefill(), 3)}
+    out["ttft_s"] = round(prefill(), 3)
+    with module_self_times(engine) as totals:
+        synced = prefill()
+    per_kind = {k: round(v * 1000, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    per_kind["outside_modules"] = round((synced - sum(totals.values())) * 1000, 1)
+    out["ttft_s_with_module_syncs"] = round(synced, 3)
+    out["self_ms_per_module_kind"] = per_kind
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        out["ttft_s_profiled"] = round(prefill(), 3)
+    out |= kernel_table(prof, top)
+    return out

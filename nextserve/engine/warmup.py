@@ -5,7 +5,9 @@ prefill chunk was the first whose length was not a multiple of 16).
 # NOTE: Triton compiles a kernel once per specialisation of its integer arguments (== 1, a multiple of 16,
 # other), and the prefill kernels take the chunk's token count. Decode steps and verify windows are CUDA
 # graphs captured before this (all their shapes compiled then). So the warm-up prefills chunks of
-# prefill_chunk tokens, of 1 and of 17 tokens (and 32: a multiple of 16 that is not the chunk), cold and,
+# prefill_chunk tokens, of 1 and of 17 tokens (and 32: a multiple of 16 that is not the chunk), and the
+# same two kinds again from 64 tokens on (80, 97: 16-bit GDN chunks of 64 tokens or more run fla's
+# chunked kernels, ops/gdn.py; those are autotuned at their first call, here), cold and,
 # with prefix reuse on, resumed from an image; each decodes two tokens. Then it drops its images and
 # counters: the engine starts as if nothing ran.
 """
@@ -21,7 +23,7 @@ from .sampling import SamplingParams
 
 log = logging.getLogger("nextserve.engine")
 
-TAILS = (1, 17, 32)  # prefill chunk lengths past a full chunk: == 1, not a multiple of 16, a multiple
+TAILS = (1, 17, 32, 80, 97)  # prefill chunk lengths past a full chunk: 1, other, multiple of 16 (twice)
 
 
 def use_compile_cache(path: str) -> None:

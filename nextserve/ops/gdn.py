@@ -1,5 +1,7 @@
 """Gated delta rule (GDN) recurrence, the token-by-token reference."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -22,17 +24,58 @@ def gated_delta_rule(
     L2-normalised here and q scaled by dk^-1/2. Key head j serves value heads j*r .. j*r+r-1.
 
     # NOTE: each token is one step of S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q.
-    # On CUDA (bf16/fp16/fp32) this is one Triton launch (ops/triton/gdn_chunk.py) running the decode
-    # kernel's per-token code with the state tile in registers (tests/ops/test_gdn_chunk.py compares it
-    # with recurrent_step); elsewhere it is this loop, the kernel's reference. Verify windows do not rely
-    # on the two kernels agreeing: on an H200 a float32 window row differed from serial decode through
-    # this kernel, so windows run `recurrent_window` (decode's kernel, token by token).
+    # On CUDA, a 16-bit chunk of FLA_MIN_TOKENS or more runs flash-linear-attention's chunked algorithm
+    # (`fla_gated_delta_rule`: tensor-core blocks of 64 tokens, the state passed between blocks), where
+    # the token-by-token kernel keeps 48 heads' programs busy one token after another (383 ms of a
+    # 1.33 s 62.7K-token prefill on the H200, BENCHMARKS.md session 12). Otherwise (float32, short
+    # chunks, fla not installed) one Triton launch (ops/triton/gdn_chunk.py) runs the decode kernel's
+    # per-token code with the state tile in registers (tests/ops/test_gdn_chunk.py compares it with
+    # recurrent_step); elsewhere this loop, both kernels' reference. Which path a chunk takes is a
+    # function of its dtype and length: the serial reference and every resume run the same chunks
+    # (snapshots on the chunk grid, C1), so they take the same path. Verify windows do not rely on any
+    # of them agreeing with decode: they run `recurrent_window` (decode's kernel, token by token).
     """
+    if use_kernel(q, k, v) and q.dtype != torch.float32 and q.shape[0] >= FLA_MIN_TOKENS and _fla_chunk():
+        return fla_gated_delta_rule(q, k, v, g, beta, state)
     if use_kernel(q, k, v):
         from .triton.gdn_chunk import triton_gated_delta_rule
 
         return triton_gated_delta_rule(q, k, v, g, beta, state)
     return gated_delta_rule_reference(q, k, v, g, beta, state)
+
+
+FLA_MIN_TOKENS = 64  # one of fla's token blocks; shorter chunks stay token by token
+
+
+@functools.cache
+def _fla_chunk():
+    """flash-linear-attention's chunked gated delta rule, or None where it is not installed (the `gpu`
+    extra brings it)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def fla_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule` through fla's `chunk_gated_delta_rule` (one sequence as a batch of one; q and k
+    L2-normalised in its kernel with the same eps, q scaled by dk^-1/2; g the natural-log decay; the
+    state [Hv, dk, dv] float32 in and out, the input only read)."""
+    chunk = _fla_chunk()
+    o, new_state = chunk(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
+        scale=q.shape[-1] ** -0.5, initial_state=state.float().unsqueeze(0).contiguous(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    return o[0].to(v.dtype), new_state[0].float()
 
 
 def gated_delta_rule_reference(

@@ -6,7 +6,13 @@ Triton's interpreter (float32/float16 only there: bfloat16 is broken in the inte
 import pytest
 import torch
 
-from nextserve.ops.gdn import gated_delta_rule, gated_delta_rule_reference
+from nextserve.ops.gdn import (
+    FLA_MIN_TOKENS,
+    _fla_chunk,
+    fla_gated_delta_rule,
+    gated_delta_rule,
+    gated_delta_rule_reference,
+)
 from nextserve.ops.triton.gdn_chunk import triton_gated_delta_rule
 from nextserve.ops.triton.gdn_step import triton_recurrent_step
 
@@ -148,7 +154,35 @@ def test_chunk_bits_equal_decode_steps_real_sizes() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_gated_delta_rule_dispatches_to_kernel() -> None:
-    q, k, v, gate, beta, state = _to("cuda", *_inputs(REAL_SHAPE, 64, torch.bfloat16))
-    o, s = gated_delta_rule(q, k, v, gate, beta, state)
-    ko, ks = triton_gated_delta_rule(q, k, v, gate, beta, state)
-    assert torch.equal(o, ko) and torch.equal(s, ks)
+    """Below FLA_MIN_TOKENS (and in float32) the token-by-token kernel; from it on, in 16-bit, fla's."""
+    for T, dtype, kernel in [
+        (FLA_MIN_TOKENS - 1, torch.bfloat16, triton_gated_delta_rule),
+        (FLA_MIN_TOKENS, torch.float32, triton_gated_delta_rule),
+        (FLA_MIN_TOKENS, torch.bfloat16, fla_gated_delta_rule),
+    ]:
+        q, k, v, gate, beta, state = _to("cuda", *_inputs(REAL_SHAPE, T, dtype))
+        o, s = gated_delta_rule(q, k, v, gate, beta, state)
+        ko, ks = kernel(q, k, v, gate, beta, state)
+        assert torch.equal(o, ko) and torch.equal(s, ks), (T, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [64, 333, 2048])
+def test_fla_chunk_matches_the_reference(T: int) -> None:
+    """fla's chunked algorithm (16-bit prefill chunks) against the float32 token-by-token loop at the real
+    widths: close, deterministic, the input state only read, and the state carried across two chunks as
+    one chunk carries it."""
+    assert _fla_chunk() is not None, "flash-linear-attention (fla-core, the gpu extra) is not installed"
+    q, k, v, gate, beta, state = _to("cuda", *_inputs(REAL_SHAPE, T, torch.bfloat16, decay=0.2))
+    before = state.clone()
+    o, s = fla_gated_delta_rule(q, k, v, gate, beta, state)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32 and torch.equal(state, before)
+    ref_o, ref_s = gated_delta_rule_reference(q.float(), k.float(), v.float(), gate, beta.float(), state)
+    assert _rel(o, ref_o) < 2e-2 and _rel(s, ref_s) < 2e-2, (_rel(o, ref_o), _rel(s, ref_s))
+    o2, s2 = fla_gated_delta_rule(q, k, v, gate, beta, state)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    h = T // 2
+    o_a, s_a = fla_gated_delta_rule(q[:h], k[:h], v[:h], gate[:h], beta[:h], state)
+    o_b, s_b = fla_gated_delta_rule(q[h:], k[h:], v[h:], gate[h:], beta[h:], s_a)
+    assert _rel(torch.cat([o_a, o_b]), ref_o) < 2e-2 and _rel(s_b, ref_s) < 2e-2
