@@ -266,7 +266,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto: cuda when available
-    prefill_chunk: int = 1024
+    prefill_chunk: int = 4096  # BENCHMARKS.md session 12: 62.7K cold TTFT 1.13 s against 1.94 at 1024
     max_concurrency: int = 16
     kv_capacity: int | str = "auto"  # tokens in the pool, or "auto"
     max_context: int | None = None  # per sequence; default: the model's max_position_embeddings

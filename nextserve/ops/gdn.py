@@ -44,7 +44,10 @@ def gated_delta_rule(
     return gated_delta_rule_reference(q, k, v, g, beta, state)
 
 
-FLA_MIN_TOKENS = 64  # one of fla's token blocks; shorter chunks stay token by token
+# NOTE: fla's call costs about a millisecond of host time (a dozen launches and their Python), more than the
+# token-by-token kernel's GPU time on chunks of ~1K tokens (a 1,024-token prompt prefilled at 30.8K tok/s
+# with fla on every chunk of 64+, 34.8K without; H200, BENCHMARKS.md session 12): fla from 2,048 on.
+FLA_MIN_TOKENS = 2048
 
 
 @functools.cache

@@ -17,18 +17,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, row_invariant: boo
     # GEMV its peeling from the input's address alignment. In row-invariant mode every row is its
     # own call of one shape on a freshly allocated (so equally aligned) copy, so a row's bits never
     # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does
-    # (with FP8 weights on CUDA: ops/triton/fp8_gemm.py, the weights read as FP8; elsewhere the
-    # weights dequantized for the call).
+    # (with FP8 weights, on the weights dequantized for the call: on CUDA in one Triton pass,
+    # ops/triton/fp8_dequant.py).
     """
     if row_invariant and use_kernel(x):
         from .triton.gemv import small_m_linear
 
         return small_m_linear(x, weight)
     if isinstance(weight, Fp8Weight) and use_kernel(x):
-        from .triton.fp8_gemm import fp8_prefill_linear
+        from .triton.fp8_dequant import triton_dequantize
 
-        return fp8_prefill_linear(x, weight)
-    if isinstance(weight, Fp8Weight):
+        weight = triton_dequantize(weight, x.dtype)
+    elif isinstance(weight, Fp8Weight):
         weight = weight.dequantize(x.dtype)
     if not row_invariant:
         return F.linear(x, weight)

@@ -121,50 +121,20 @@ def test_fp8_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype)
     _same_or_close(pre, grouped_experts(x, w2, ids2, deq[0], deq[1]), dtype)
 
 
-PREFILL = [(33, 200), (300, 384), (128, 130)]
-if not INTERPRET:
-    PREFILL += [(10240, 2560), (2560, 6144), (14080, 2560), (2560, 640)]
-
-
-@small
-@pytest.mark.parametrize("where", HERE)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K", PREFILL)
-@pytest.mark.parametrize("w_as_a", [True, False])
-@pytest.mark.usefixtures("row_independent_dot")
-def test_fp8_prefill_gemm_on_dequantized_weights(where, dtype, N, K, w_as_a):
-    """The prefill projection kernel against float64 on the dequantized weights, at edge shapes (N and K
-    not multiples of 128 or of the K tile), both operand orders; a row's bits do not depend on M."""
-    from nextserve.ops.triton.fp8_gemm import _config, fp8_linear
-
-    cfg = _config(N, K, dtype)._replace(w_as_a=w_as_a)
-    w = _fp8(N, K, seed=N + 3 * K)
-    x = torch.randn(300, K, generator=torch.Generator().manual_seed(2)).to(device=DEV, dtype=dtype)
-    got = fp8_linear(x, w, cfg)
-    assert got.dtype == dtype and got.shape == (300, N)
-    ref = torch.nn.functional.linear(x.double(), w.dequantize(torch.float64))
-    assert _rel(got, ref) < TOL[dtype]
-    for m in (1, 37):
-        assert torch.equal(fp8_linear(x[:m].clone(), w, cfg), got[:m]), m
-    assert fp8_linear(x[:0], w, cfg).shape == (0, N)
-
-
 @pytest.mark.gpu
 @needs_cuda
-def test_linear_runs_fp8_prefill_chunks_in_the_kernel(monkeypatch):
-    """On a kernel device a prefill chunk's FP8 projection is one fp8_linear call: the weight is never
-    dequantized for it (it was, whole, for every chunk)."""
+def test_linear_dequantizes_fp8_prefill_chunks_in_one_pass(monkeypatch):
+    """On a kernel device a prefill chunk's FP8 projection is F.linear on the weight dequantized by the
+    one-pass kernel (the torch dequantize, several passes over float32 copies, is not called)."""
     from nextserve.ops import fp8
     from nextserve.ops.linear import linear
-    from nextserve.ops.triton import fp8_gemm
+    from nextserve.ops.triton.fp8_dequant import triton_dequantize
 
-    w = _fp8(64, 256, seed=11)
-    x = torch.randn(20, 256, device="cuda", dtype=torch.float16)
-    calls = []
-    monkeypatch.setattr(fp8, "dequantize", lambda *a: calls.append(a))
-    monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, w: calls.append("kernel") or x[:, :64])
-    linear(x, w, row_invariant=False)
-    assert calls == ["kernel"]
+    w = _fp8(640, 2560, seed=11)
+    x = torch.randn(700, 2560, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, triton_dequantize(w, torch.bfloat16))
+    monkeypatch.setattr(fp8, "dequantize", lambda *a: pytest.fail("the torch dequantize ran"))
+    assert torch.equal(linear(x, w, row_invariant=False), want)
 
 
 @small
@@ -172,28 +142,10 @@ def test_linear_runs_fp8_prefill_chunks_in_the_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", [(33, 200), (300, 384), (256, 128)])
 def test_one_pass_dequantize_is_the_reference(where, dtype, N, K):
-    from nextserve.ops.triton.fp8_gemm import triton_dequantize
+    from nextserve.ops.triton.fp8_dequant import triton_dequantize
 
     w = _fp8(N, K, seed=N * K)
     assert torch.equal(triton_dequantize(w, dtype), w.dequantize(dtype))
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_fp8_prefill_linear_fused_up_to_the_crossover_then_dequantized():
-    from nextserve.ops.triton.fp8_gemm import (
-        FUSED_MAX_ROWS,
-        fp8_linear,
-        fp8_prefill_linear,
-        triton_dequantize,
-    )
-
-    w = Fp8Weight(*quantize(torch.randn(640, 2560, device="cuda") / 50))
-    x = torch.randn(FUSED_MAX_ROWS + 1, 2560, device="cuda", dtype=torch.bfloat16)
-    small_m = x[:FUSED_MAX_ROWS]
-    assert torch.equal(fp8_prefill_linear(small_m, w), fp8_linear(small_m, w))
-    want = torch.nn.functional.linear(x, triton_dequantize(w, torch.bfloat16))
-    assert torch.equal(fp8_prefill_linear(x, w), want)
 
 
 @small

@@ -20,7 +20,10 @@ from .common import pdl_args, pdl_start
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# NOTE: the integers that vary with a request's length (block counts, block-table and token-list widths,
+# split counts) are not specialised on (== 1, multiple of 16): each value class compiled a binary of its
+# own, at a request's first chunk after the warm-up (tests/gpu/test_warm_up.py).
+@triton.jit(do_not_specialize=["max_blocks", "stride_btb", "stride_ob"])
 def _index_scores_kernel(
     q_ptr, key_ptr, bt_ptr, nb_ptr, out_ptr, max_blocks, bpp, inv_scale,
     stride_qb, stride_qh, stride_kp, stride_ki, stride_btb, stride_ob,
@@ -77,7 +80,7 @@ def triton_index_scores(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "tiles_per_split", "stride_btb", "stride_tb", "stride_mb", "stride_mh"])
 def _paged_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, mo_ptr, mm_ptr, ml_ptr,
     L, tiles_per_split, page_size, qk_scale,
@@ -146,7 +149,7 @@ def _paged_attn_split_kernel(
     tl.store(ml_ptr + b * stride_mb + heads * stride_mh + s, l_i, mask=hm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "stride_mb", "stride_mh"])
 def _paged_attn_combine_kernel(
     mo_ptr, mm_ptr, ml_ptr, o_ptr, S,
     stride_mob, stride_moh, stride_mos, stride_mb, stride_mh, stride_ob, stride_oh,
