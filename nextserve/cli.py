@@ -166,6 +166,15 @@ def _serve_parser(sub) -> None:
         "sets chat_template_kwargs.enable_thinking (default: on)",
     )
     server.add_argument(
+        "--tool-call-format",
+        choices=("auto", "json", "xml"),
+        default="auto",
+        help="the form a tool call is constrained to (tool_choice required or named): json, "
+        '`<tool_call>{"name": ..., "arguments": ...}</tool_call>`; xml, Qwen3-Coder\'s '
+        "`<tool_call><function=NAME><parameter=ARG>...`; auto: the form the chat template renders (xml "
+        "when it writes <function=). Answers are parsed in both forms either way (default: auto)",
+    )
+    server.add_argument(
         "--api-key-file",
         default=None,
         metavar="PATH",
@@ -275,6 +284,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             log_level=args.log_level,
             limits=limits,
             reasoning=args.reasoning == "on",
+            tool_call_format=args.tool_call_format,
         )
     except ConfigError as exc:
         print(f"nextserve serve: error: {exc}", file=sys.stderr)

@@ -22,7 +22,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..engine.async_engine import AsyncEngine
 from . import protocol as P
-from . import routes_chat, routes_completions, routes_messages
+from . import routes_chat, routes_completions, routes_messages, routes_responses
 from .anthropic import CountTokensRequest, MessagesRequest
 from .body import BodyTooLarge
 from .checks import check_model
@@ -31,6 +31,7 @@ from .generation import CLIENT_GONE
 from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import CONTENT_TYPE
 from .prepare import ClientGone
+from .responses import InputTokensRequest, ResponsesRequest
 from .routes_messages import anthropic_error
 from .state import ServerState
 from .tenants import TENANT_KEY, tenant_salt
@@ -39,11 +40,12 @@ request_log = logging.getLogger("nextserve.requests")
 
 _ENDPOINTS = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
-    "/health", "/metrics",
+    "/v1/responses", "/v1/responses/input_tokens", "/health", "/metrics",
 }  # fmt: skip
 _BODIES = {
     "/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest,
     "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
 }  # fmt: skip
 
 
@@ -85,7 +87,15 @@ class _Middleware:
             await self.app(scope, _counted(receive, limit), send_status)
         finally:
             endpoint = (
-                path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+                path
+                if path in _ENDPOINTS
+                else (
+                    "/v1/models"
+                    if path.startswith("/v1/models/")
+                    else "/v1/responses"
+                    if path.startswith("/v1/responses/")
+                    else "other"
+                )
             )
             self.srv.metrics.requests.labels(endpoint, str(status[0])).inc()
             if path.startswith("/v1") and scope.get("method") == "POST":
@@ -156,11 +166,16 @@ def build_app(
     keepalive_s: float = 5.0,
     limits: ServerLimits = DEFAULT_LIMITS,
     reasoning: bool = True,
+    tool_call_format: str = "auto",
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (`reasoning` False: --reasoning
-    off, the template's thinking off unless a request asks for it)."""
+    off, the template's thinking off unless a request asks for it; `tool_call_format`: --tool-call-format)."""
     srv = ServerState.for_engine(engine, served_model_name, api_key, keepalive_s, limits)
     srv.thinking_off = not reasoning and srv.template_thinks
+    if tool_call_format not in ("auto", "json", "xml"):
+        raise ValueError(f"tool_call_format must be auto, json or xml, got {tool_call_format!r}")
+    if tool_call_format != "auto":
+        srv.tool_call_xml = tool_call_format == "xml"
     app = FastAPI(title="nextserve", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.nextserve = srv
     app.add_middleware(_Middleware, srv=srv)
@@ -216,6 +231,22 @@ def build_app(
     @app.post("/v1/messages/count_tokens", openapi_extra=body)
     async def count_tokens(request: Request) -> Response:
         return await routes_messages.count_tokens(srv, request)
+
+    @app.post("/v1/responses", openapi_extra=body)
+    async def responses(request: Request) -> Response:
+        return await routes_responses.create(srv, request)
+
+    @app.post("/v1/responses/input_tokens", openapi_extra=body)
+    async def responses_input_tokens(request: Request) -> Response:
+        return await routes_responses.input_tokens(srv, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await routes_responses.retrieve(srv, request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await routes_responses.delete(srv, request, response_id)
 
     _document_bodies(app)
     return app

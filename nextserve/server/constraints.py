@@ -70,7 +70,7 @@ def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[
         parallel = bool(getattr(req, "parallel_tool_calls", True))
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
         nodes = sum(P.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
-        compile_fn = functools.partial(g.compile_tool_calls, tools, forced, parallel)
+        compile_fn = functools.partial(g.compile_tool_calls, tools, forced, parallel, srv.tool_call_xml)
         asks.append(_Ask("tool_choice", compile_fn, nodes, 0))
     return asks
 

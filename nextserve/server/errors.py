@@ -113,7 +113,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 def _clean_loc(loc) -> list[str]:
     """A pydantic error location as a request path: no "body" prefix, no union-member tags such as
-    `str` or `list[int]` or `function-after[...]`."""
+    `str` or `list[int]` or `function-after[...]` (skipped: the path goes on to the field inside)."""
     out = []
     for part in loc:
         if part == "body" and not out:
@@ -123,6 +123,6 @@ def _clean_loc(loc) -> list[str]:
             continue
         text = str(part)
         if text in _TYPE_TAGS or any(c in text for c in "[]'-") or text[:1].isupper():
-            break
+            continue
         out.append(text)
     return out

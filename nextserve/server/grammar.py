@@ -156,32 +156,35 @@ class GrammarBackend:
         alts = " | ".join(_ebnf_string(c) for c in choices)
         return self._compile("choice", lambda c: c.compile_grammar(f"root ::= {alts}"))
 
-    def compile_tool_calls(self, tools: list[dict[str, Any]], forced: str | None, parallel: bool) -> Any:
+    def compile_tool_calls(
+        self, tools: list[dict[str, Any]], forced: str | None, parallel: bool, xml: bool = False
+    ) -> Any:
         """One or more `<tool_call>` blocks (exactly one of `forced` when named), nothing else.
 
         The shape is the chat template's: `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`,
-        with ARGS following the tool's parameters schema.
+        with ARGS following the tool's parameters schema; with `xml`, Qwen3-Coder's `<tool_call>\\n
+        <function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>...</function>\\n</tool_call>`, its parameters
+        following the schema (xgrammar's qwen_xml style).
         """
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
-        tags = [
-            {
-                "type": "tag",
-                "begin": '<tool_call>\n{"name": ' + json.dumps(t["function"]["name"]) + ', "arguments": ',
-                "content": {
-                    "type": "json_schema",
-                    "json_schema": t["function"].get("parameters") or {"type": "object"},
-                    "max_whitespace_cnt": MAX_JSON_WHITESPACE,
-                },
-                "end": "}\n</tool_call>",
-            }
-            for t in chosen
-        ]
+        tags = [_tool_tag(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}, xml)
+                for t in chosen]  # fmt: skip
         if forced is not None or not parallel:
             fmt: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
         else:
             fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
         tag = {"type": "structural_tag", "format": fmt}
         return self._compile("tools", lambda c: c.compile_structural_tag(json.dumps(tag)))
+
+
+def _tool_tag(name: str, schema: dict[str, Any], xml: bool) -> dict[str, Any]:
+    if xml:
+        content = {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"}
+        return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n", "content": content,
+                "end": "</function>\n</tool_call>"}  # fmt: skip
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+    return {"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
+            "content": content, "end": "}\n</tool_call>"}  # fmt: skip
 
 
 def _ebnf_string(s: str) -> str:

@@ -34,6 +34,7 @@ def serve(
     log_level: str = "info",
     limits: ServerLimits = DEFAULT_LIMITS,
     reasoning: bool = True,
+    tool_call_format: str = "auto",
 ) -> None:
     """Binds host:port (a ConfigError when it cannot: before any model is loaded), loads the model and
     serves it until SIGINT/SIGTERM. On the signal it stops accepting connections, lets in-flight requests
@@ -70,7 +71,8 @@ def serve(
     name = served_model_name or str(config.model)
     app = None
     try:
-        app = build_app(engine, name, api_key, keepalive_s=keepalive_s, limits=limits, reasoning=reasoning)
+        app = build_app(engine, name, api_key, keepalive_s=keepalive_s, limits=limits, reasoning=reasoning,
+                        tool_call_format=tool_call_format)  # fmt: skip
         app.state.nextserve.grammar.warm_up()
         where = sock.getsockname()
 

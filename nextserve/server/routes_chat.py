@@ -38,9 +38,10 @@ async def start_chat(
     req: P.ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
-) -> tuple[Generation, list[int], set[str] | None]:
-    """A checked chat request (also the Messages dialect's, translated) queued to the engine: its
-    Generation, prompt ids and the tool names its answer may call (None: no tool calls are parsed)."""
+) -> tuple[Generation, list[int], dict[str, Any] | None]:
+    """A checked chat request (also the Messages and Responses dialects', translated) queued to the engine:
+    its Generation, prompt ids and the tools its answer may call, name -> parameters schema (None: no tool
+    calls are parsed)."""
     ids, checkpoint = await chat_prompt(srv, request, req)
     check_length(srv, len(ids), max_tokens, "messages")
     params = sampling_params(srv, req, max_tokens, logprobs)
@@ -49,7 +50,8 @@ async def start_chat(
     compiled = await output_constraint(srv, request, req, tools, req.tool_choice)
     checkpoints = (checkpoint,) if checkpoint is not None else ()
     gen = Generation(srv, request, "chat", req, ids, params, compiled, checkpoints)
-    return gen, ids, ({t["function"]["name"] for t in tools} if tools else None)
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
+    return gen, ids, (schemas if tools else None)
 
 
 async def chat_completions(srv: ServerState, request: Request) -> Response:
@@ -126,7 +128,7 @@ class _ChatChoice:
         self,
         gen: Generation,
         req: P.ChatCompletionRequest,
-        names: set[str] | None,
+        names: dict[str, Any] | None,
         index: int,
         opened: bool | None,
     ) -> None:

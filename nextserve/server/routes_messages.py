@@ -87,7 +87,7 @@ class _Reply:
     """One Messages answer: whole, or as the dialect's event stream."""
 
     def __init__(
-        self, srv: ServerState, gen: Generation, req: A.MessagesRequest, names: set[str] | None,
+        self, srv: ServerState, gen: Generation, req: A.MessagesRequest, names: dict[str, Any] | None,
         opened: bool | None,
     ) -> None:  # fmt: skip
         self.srv, self.gen, self.req, self.names, self.opened = srv, gen, req, names, opened

@@ -13,6 +13,7 @@ from .limits import DEFAULT_LIMITS, ServerLimits
 from .metrics import ServerMetrics
 from .prepare import Preparer
 from .reasoning import thinks
+from .responses import ResponseStore
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ServerState:
     thinks: bool = False  # the vocabulary has <think> and </think>: answers are split (server/reasoning.py)
     template_thinks: bool = False  # the chat template reads enable_thinking
     thinking_off: bool = False  # --reasoning off: enable_thinking false unless a request sets it
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored /v1/responses answers
+    tool_call_xml: bool = False  # constrained tool calls in the XML form (--tool-call-format)
 
     @classmethod
     def for_engine(
@@ -64,6 +67,7 @@ class ServerState:
             prep=Preparer(engine.num_waiting, engine.config.max_pending),
             thinks=thinks(tokenizer),
             template_thinks="enable_thinking" in (getattr(tokenizer, "chat_template", None) or ""),
+            tool_call_xml="<function=" in (getattr(tokenizer, "chat_template", None) or ""),
             defaults=_generation_defaults(str(engine.config.model)),
         )
         if tokenizer is not None and _is_byte_level(tokenizer):

@@ -1,11 +1,15 @@
-"""The Qwen-style `<tool_call>` parser of a chat answer.
+"""The Qwen-style `<tool_call>` parser of a chat answer, in both forms Qwen templates render.
 
-The model writes a tool call as `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`. The parser
-reads the JSON with a scanner that knows JSON strings, so an argument that contains the text
-`</tool_call>` (or braces) never ends a call early. It is incremental: feed it text as it is generated and
-it gives content deltas and tool-call deltas (name first, then argument fragments), which is how the
-stream is built. A whole response is parsed by the same code in one feed, so streamed and non-streamed
-answers always agree.
+JSON form: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`. XML form (Qwen3-Coder's
+template, vLLM's `qwen3_coder` parser): `<tool_call>\\n<function=f>\\n<parameter=city>\\nOslo\\n</parameter>
+\\n</function>\\n</tool_call>`; its values are raw text, typed by the tool's JSON schema (`typed_value`), and
+the arguments are given as the JSON object they make, one parameter at a time. Both forms are read
+whichever the template renders (`--tool-call-format` picks the one a constrained answer is made to
+write). The JSON form is read with a scanner that knows JSON strings, so an argument that contains the
+text `</tool_call>` (or braces) never ends a call early. The parser is incremental: feed it text as it is
+generated and it gives content deltas and tool-call deltas (name first, then argument fragments), which
+is how the stream is built. A whole response is parsed by the same code in one feed, so streamed and
+non-streamed answers always agree.
 
 A call that names a function the request did not declare is not a tool call: its text is content (the
 model made it up; an agent would otherwise run whatever the name says).
@@ -17,9 +21,23 @@ import json
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
+
+from .tool_call_scan import (
+    HEAD_FAIL,
+    HEAD_PARTIAL,
+    WS,
+    JsonScanner,
+    match_head,
+    partial_suffix,
+    typed_value,
+)
 
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
+FUNCTION_START, FUNCTION_END = "<function=", "</function>"
+PARAM_START, PARAM_END = "<parameter=", "</parameter>"
+MAX_XML_NAME = 256  # characters of a function or parameter name before the call is not one
 
 
 # ---- tool-call parsing -------------------------------------------------------------------------------
@@ -56,116 +74,24 @@ class CallArgs:
 
 Event = ContentDelta | CallStart | CallArgs
 
-_WS = " \t\r\n"
-_HEAD_PARTIAL, _HEAD_FAIL = "partial", "fail"
-
-
-def _match_head(s: str) -> tuple[int, str] | str:
-    """Matches `ws { ws "name" ws : ws "NAME" ws , ws "arguments" ws :` at the start of s.
-
-    Returns (end, name) on a match, "partial" when s may still grow into one, "fail" when it cannot.
-    """
-    pos, n, name = 0, len(s), ""
-    steps: list[str | None] = [None, "{", None, '"name"', None, ":", None, "", None, ",", None]
-    steps += ['"arguments"', None, ":"]
-    for step in steps:
-        if step is None:  # optional whitespace
-            while pos < n and s[pos] in _WS:
-                pos += 1
-            if pos == n:
-                return _HEAD_PARTIAL
-        elif step == "":  # a JSON string: the function name
-            if s[pos] != '"':
-                return _HEAD_FAIL
-            end, esc = pos + 1, False
-            while end < n:
-                c = s[end]
-                if esc:
-                    esc = False
-                elif c == "\\":
-                    esc = True
-                elif c == '"':
-                    break
-                elif c in "\r\n":
-                    return _HEAD_FAIL
-                end += 1
-            if end >= n:
-                return _HEAD_PARTIAL
-            try:
-                name = json.loads(s[pos : end + 1])
-            except json.JSONDecodeError:
-                return _HEAD_FAIL
-            pos = end + 1
-        else:
-            got = s[pos : pos + len(step)]
-            if got != step:
-                return _HEAD_PARTIAL if step.startswith(got) and pos + len(got) == n else _HEAD_FAIL
-            pos += len(step)
-    return pos, name
-
-
-class _JsonScanner:
-    """Finds where one JSON value ends, one character at a time, without parsing it."""
-
-    def __init__(self, depth: int = 0) -> None:
-        self.depth = depth  # > 0: already inside a container (the rest of an object)
-        self.kind = "container" if depth else ""  # "", "container", "string", "scalar"
-        self.in_str = False
-        self.esc = False
-        self.done = False
-
-    def feed(self, text: str) -> int:
-        """Consumes characters of the value; returns how many (a scalar's delimiter is not consumed)."""
-        for i, c in enumerate(text):
-            if self.kind == "":
-                if c in "{[":
-                    self.kind, self.depth = "container", 1
-                elif c == '"':
-                    self.kind, self.in_str = "string", True
-                else:
-                    self.kind = "scalar"
-                continue
-            if self.kind == "scalar":
-                if c in _WS or c in ",}]":
-                    self.done = True
-                    return i
-                continue
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif c == "\\":
-                    self.esc = True
-                elif c == '"':
-                    self.in_str = False
-                    if self.kind == "string":
-                        self.done = True
-                        return i + 1
-                continue
-            if c == '"':
-                self.in_str = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return i + 1
-        return len(text)
-
 
 class ToolCallParser:
     """Incremental parser of a response that may hold `<tool_call>` blocks calling `names` (any name when
     None)."""
 
-    def __init__(self, names: Collection[str] | None = None) -> None:
+    def __init__(self, names: Collection[str] | None = None, schemas: dict[str, Any] | None = None) -> None:
         self.names = names
+        # tool name -> its parameters schema (types the XML form's values); names given as a dict are that
+        self.schemas = schemas if schemas is not None else (names if isinstance(names, dict) else {})
+        self.first_param, self.param = True, ""  # the XML form's place in its call
         self.buf = ""
         self.state = "content"  # content | head | args | tail | end | fallback
         self.calls: list[ParsedCall] = []
         self.raw = ""  # text consumed since the current <tool_call>, for giving it back as content
         self.pending_ws = ""  # trailing whitespace of the content, dropped if a tool call follows
+        self.held_ws = ""  # that whitespace while what follows it may still be a call
         self.after_call = False  # the next content follows a tool call: drop the whitespace between
-        self.scanner: _JsonScanner | None = None
+        self.scanner: JsonScanner | None = None
         self.value = ""  # a string- or scalar-valued arguments field, until it is complete
 
     # -- public ---------------------------------------------------------------------------------------
@@ -179,7 +105,7 @@ class ToolCallParser:
     def finish(self) -> list[Event]:
         """The stream ended: flush what is held back."""
         events: list[Event] = []
-        while self.state in ("head", "fallback"):  # an unfinished call start is content after all
+        while self.state in ("head", "fallback", "xml_name"):  # an unfinished call start is content after all
             self._give_back(events)
             while self._step(events):
                 pass
@@ -188,7 +114,7 @@ class ToolCallParser:
         elif self.state == "args" and self.value:
             self._emit_value(events)
         elif self.state == "end":
-            rest = self.buf.strip(_WS)
+            rest = self.buf.strip(WS)
             if rest and not TOOL_END.startswith(rest):
                 self._content(self.buf, events)
         self.buf = ""
@@ -204,20 +130,28 @@ class ToolCallParser:
             i = self.buf.find(TOOL_START)
             if i >= 0:
                 self._content(self.buf[:i], events)
-                self.pending_ws = ""
+                self.held_ws, self.pending_ws = self.pending_ws, ""  # dropped if a call follows
                 self.buf = self.buf[i + len(TOOL_START) :]
                 self.raw = TOOL_START
                 self.state = "head"
                 return True
-            keep = _partial_suffix(self.buf, TOOL_START)
+            keep = partial_suffix(self.buf, TOOL_START)
             self._content(self.buf[: len(self.buf) - keep], events)
             self.buf = self.buf[len(self.buf) - keep :]
             return False
         if self.state == "head":
-            m = _match_head(self.buf)
-            if m == _HEAD_PARTIAL:
+            stripped = self.buf.lstrip(WS)
+            if stripped.startswith(FUNCTION_START):
+                self.raw += self.buf[: len(self.buf) - len(stripped) + len(FUNCTION_START)]
+                self.buf = stripped[len(FUNCTION_START) :]
+                self.state = "xml_name"
+                return True
+            if stripped and FUNCTION_START.startswith(stripped):
                 return False
-            if m == _HEAD_FAIL:
+            m = match_head(self.buf)
+            if m == HEAD_PARTIAL:
+                return False
+            if m == HEAD_FAIL:
                 self.state = "fallback"
                 self.scanner = None
                 return True
@@ -230,13 +164,13 @@ class ToolCallParser:
             events.append(CallStart(len(self.calls) - 1, call.id, name))
             self.raw += self.buf[:end]
             self.buf = self.buf[end:]
-            self.scanner, self.value = _JsonScanner(), ""
+            self.scanner, self.value = JsonScanner(), ""
             self.state = "args"
             return True
         if self.state == "args":
             assert self.scanner is not None
             if self.scanner.kind == "":
-                stripped = self.buf.lstrip(_WS)
+                stripped = self.buf.lstrip(WS)
                 if not stripped:
                     self.buf = ""
                     return False
@@ -253,12 +187,12 @@ class ToolCallParser:
                 return False
             if self.scanner.kind != "container":
                 self._emit_value(events)
-            self.scanner = _JsonScanner(depth=1)  # the rest of the call object
+            self.scanner = JsonScanner(depth=1)  # the rest of the call object
             self.state = "tail"
             return True
         if self.state == "tail":
             assert self.scanner is not None
-            stripped = self.buf.lstrip(_WS)
+            stripped = self.buf.lstrip(WS)
             if self.scanner.depth == 1 and not self.scanner.in_str and stripped[:1] == "<":
                 self.state = "end"  # the closing brace is missing; the closing tag ends the call
                 return True
@@ -269,7 +203,7 @@ class ToolCallParser:
             self.state = "end"
             return True
         if self.state == "end":
-            stripped = self.buf.lstrip(_WS)
+            stripped = self.buf.lstrip(WS)
             if stripped.startswith(TOOL_END):
                 self.buf = stripped[len(TOOL_END) :]
             elif TOOL_END.startswith(stripped):
@@ -279,12 +213,74 @@ class ToolCallParser:
             return True
         if self.state == "fallback":
             return self._fallback(events)
+        if self.state.startswith("xml_"):
+            return self._xml(events)
         raise AssertionError(self.state)
+
+    def _xml(self, events: list[Event]) -> bool:
+        """The XML form, from after `<function=`."""
+        if self.state == "xml_name":
+            i = self.buf.find(">")
+            if i < 0:
+                if len(self.buf) > MAX_XML_NAME or "\n" in self.buf:
+                    self._give_back(events)
+                    return True
+                return False
+            name = self.buf[:i].strip()
+            if not name or "\n" in self.buf[:i] or not self._declared(name):
+                self._give_back(events)
+                return True
+            call = ParsedCall(new_call_id(), name)
+            self.calls.append(call)
+            events.append(CallStart(len(self.calls) - 1, call.id, name))
+            self.buf, self.raw = self.buf[i + 1 :], ""
+            self.state, self.first_param = "xml_params", True
+            return True
+        if self.state == "xml_params":
+            stripped = self.buf.lstrip(WS)
+            if stripped.startswith(PARAM_START):
+                i = stripped.find(">")
+                if i < 0:
+                    if len(stripped) > MAX_XML_NAME + len(PARAM_START):
+                        return self._xml_close(events, stripped)
+                    return False
+                self.param = stripped[len(PARAM_START) : i].strip()
+                self.buf, self.state = stripped[i + 1 :], "xml_value"
+                return True
+            if stripped.startswith(FUNCTION_END):
+                return self._xml_close(events, stripped[len(FUNCTION_END) :])
+            if not stripped or PARAM_START.startswith(stripped) or FUNCTION_END.startswith(stripped):
+                return False
+            return self._xml_close(events, stripped)  # neither: the call ends here, the rest is content
+        assert self.state == "xml_value"
+        i = self.buf.find(PARAM_END)
+        if i < 0:
+            return False
+        value = self.buf[:i]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        schema = self.schemas.get(self.calls[-1].name) or {}
+        prop = (schema.get("properties") or {}).get(self.param) if isinstance(schema, dict) else None
+        piece = ("{" if self.first_param else ", ") + json.dumps(self.param) + ": " + typed_value(value, prop)
+        self.first_param = False
+        self.calls[-1].arguments += piece
+        events.append(CallArgs(len(self.calls) - 1, piece))
+        self.buf, self.state = self.buf[i + len(PARAM_END) :], "xml_params"
+        return True
+
+    def _xml_close(self, events: list[Event], rest: str) -> bool:
+        """The call's arguments object closed; `rest` is what follows `</function>` (or the text that
+        ended the call without one)."""
+        piece = "{}" if self.first_param else "}"
+        self.calls[-1].arguments += piece
+        events.append(CallArgs(len(self.calls) - 1, piece))
+        self.buf, self.state = rest, "end"
+        return True
 
     def _fallback(self, events: list[Event]) -> bool:
         """A call that does not start `{"name": ..., "arguments": ...`: read its whole object first."""
         if self.scanner is None:
-            stripped = self.buf.lstrip(_WS)
+            stripped = self.buf.lstrip(WS)
             if not stripped:
                 return False
             if stripped[0] != "{":
@@ -292,7 +288,7 @@ class ToolCallParser:
                 return True
             self.raw += self.buf[: len(self.buf) - len(stripped)]
             self.buf = stripped
-            self.scanner = _JsonScanner()
+            self.scanner = JsonScanner()
         n = self.scanner.feed(self.buf)
         self.raw += self.buf[:n]
         self.buf = self.buf[n:]
@@ -326,7 +322,9 @@ class ToolCallParser:
         """What looked like a tool call is not one: its text is content after all."""
         text = self.raw + self.buf
         self.raw, self.scanner = "", None
-        # NOTE: emit the start tag now so the content state does not read it as a tool call again.
+        # NOTE: emit the start tag now so the content state does not read it as a tool call again
+        # (after the whitespace before it, held back while it looked like a call).
+        self.pending_ws, self.held_ws = self.held_ws, ""
         self._content(TOOL_START, events)
         self.buf = text[len(TOOL_START) :]
         self.state = "content"
@@ -345,24 +343,16 @@ class ToolCallParser:
     def _content(self, text: str, events: list[Event]) -> None:
         if not text:
             return
-        body = text.rstrip(_WS)
+        body = text.rstrip(WS)
         if not body:
             self.pending_ws += text
             return
         lead = self.pending_ws
         if self.after_call:
-            lead, body = "", body.lstrip(_WS)
+            lead, body = "", body.lstrip(WS)
         events.append(ContentDelta(lead + body))
         self.after_call = False
-        self.pending_ws = text[len(text.rstrip(_WS)) :]
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+        self.pending_ws = text[len(text.rstrip(WS)) :]
 
 
 def _coalesce(events: list[Event]) -> list[Event]:
@@ -386,9 +376,11 @@ class ParsedResponse:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def parse_tool_calls(text: str, names: Collection[str] | None = None) -> ParsedResponse:
+def parse_tool_calls(
+    text: str, names: Collection[str] | None = None, schemas: dict[str, Any] | None = None
+) -> ParsedResponse:
     """A whole response: its content (None when empty) and its calls of `names` (any when None)."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     return ParsedResponse(content or None, parser.calls)

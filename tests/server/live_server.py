@@ -122,12 +122,14 @@ def live_server(
     keepalive_s: float = 5.0,
     limits: ServerLimits = DEFAULT_LIMITS,
     reasoning: bool = True,
+    tool_call_format: str = "auto",
     **flags,
 ) -> Iterator[LiveServer]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine thread and the test client share two cores
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **(BASE_FLAGS | flags)))
-    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s, limits=limits, reasoning=reasoning)
+    app = build_app(engine, MODEL_NAME, api_key, keepalive_s=keepalive_s, limits=limits, reasoning=reasoning,
+                    tool_call_format=tool_call_format)  # fmt: skip
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

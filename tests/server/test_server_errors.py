@@ -58,7 +58,7 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
         CHAT,
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
         400,
-        "messages.0.content",
+        "messages.0.content.0",  # the part itself (union-member tags are skipped, not where the path ends)
     ),
     (
         "content-part-no-text",
