@@ -272,7 +272,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from .server.lifecycle import serve
 
     try:
-        serve(
+        code = serve(
             config,
             host=args.host,
             port=args.port,
@@ -289,7 +289,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except ConfigError as exc:
         print(f"nextserve serve: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return code
 
 
 def _generate_parser(sub) -> None:

@@ -73,9 +73,11 @@ class AsyncEngine:
             with self._step_lock:
                 try:
                     outputs = self.engine.step(deltas=True)
-                except Exception:  # noqa: BLE001 - keep serving; the step already failed its requests
+                except Exception as exc:  # noqa: BLE001 - keep serving; a step that raises ends them all
+                    # NOTE: the step's own failures end their requests inside it; a raise out of it
+                    # would raise again next step with the same requests, in a loop: they end here.
                     log.exception("engine step raised")
-                    outputs = []
+                    outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}", True)
             self._deliver(outputs)
 
     def _apply(self, inbox: list[tuple[str, str, tuple | None]], abort_all: bool) -> list[RequestOutput]:
@@ -184,6 +186,10 @@ class AsyncEngine:
             s = self.engine.stats()
             s["waiting"] += self._pending_adds
             return s
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (a pipeline stage died), or None."""
+        return self.engine.failure()
 
     def is_alive(self) -> bool:
         """True while the engine thread runs and takes requests; False once shutdown has begun."""

@@ -161,6 +161,8 @@ class LLMEngine:
         """Queue a request. `checkpoints`: prompt positions (e.g. where the last message starts) to
         keep a prefix image at, on the last grid boundary at or before each (message checkpoints).
         `cache_salt`: prefix images are shared only between requests of the same salt (tenants)."""
+        if (failure := self.failure()) is not None:
+            raise RuntimeError(f"the engine cannot serve: {failure}")
         ids, text = check_prompt(self, prompt)
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -208,6 +210,18 @@ class LLMEngine:
         seq = self.sequences.get(request_id)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
+
+    def failure(self) -> str | None:
+        """Why this engine cannot run steps any more (a pipeline stage died), or None."""
+        return getattr(self.runner, "failure", None)
+
+    def fail_all(self, error: str, deltas: bool = False) -> list[RequestOutput]:
+        """End every unfinished request with `error` (a step that raised: no request may wait on a step
+        that will raise again); their outputs."""
+        seqs = [s for s in self.sequences.values() if not s.finished]
+        for seq in seqs:
+            self.scheduler.finish(seq, "error", error)
+        return self.drain_finished(seqs, deltas)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, deltas: bool = False) -> list[RequestOutput]:

@@ -21,6 +21,7 @@ import math
 import pickle
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -184,12 +185,33 @@ class PipelineRunner(StageWorker):
                 self.capture_graphs(pool.pages_for(max_context), slots.num_slots, slots.window_steps)
         self.mirror = StageMirror(pool, slots)
         self.decode_groups = config.decode_groups
+        self.failure: str | None = None  # why the pipeline cannot run (a stage died), for good
         self.channel.broadcast(None)  # every stage is built
         self.dtype = dtype
 
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
-        with on_device(self.device):
-            return self._drive(plan)
+        """The step's results. A stage that died or stopped answering (a raise from the channel: Gloo
+        reports a closed peer at once) breaks the pipeline for good: the step's chunks and every later
+        step's fail with `failure`, without talking to the stages again (C2: nothing hangs or loops).
+
+        # NOTE: an item's own forward failing is not this: it is passed on marked failed and the
+        # stages stay in step (`_receive`'s ok flag)."""
+        if self.failure is None:
+            try:
+                with on_device(self.device):
+                    return self._drive(plan)
+            except Exception as exc:  # noqa: BLE001 - the stages are out of step: no step can run
+                self.failure = self._describe_failure(exc)
+                log.error("%s: failing every request", self.failure)
+        return [ChunkResult(ch, error=self.failure) for ch in plan.chunks]
+
+    def _describe_failure(self, exc: Exception) -> str:
+        """Which stage is gone (its exit code), or else what the channel said."""
+        time.sleep(0.2)  # a killed stage's exit is seen by poll() a moment after its sockets close
+        gone = [(rank, p.poll()) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        if gone:
+            return "; ".join(f"pipeline stage {rank} exited (code {code})" for rank, code in gone)
+        return f"pipeline stages stopped answering: {type(exc).__name__}: {str(exc)[:200]}"
 
     def _launch(self, step: StageStep) -> None:
         """Send a step to every stage and run stage 0's share of it (its items then travel on)."""
@@ -271,18 +293,21 @@ class PipelineRunner(StageWorker):
         return ok, self.transport.recv((n_rows, V), self.dtype, last) if n_rows else None
 
     def close(self) -> None:
-        """Stop the stage processes (idempotent)."""
+        """Stop the stage processes (idempotent); after a failure, the ones still alive are killed (they
+        wait on a pipeline that will not move again)."""
         if self.procs:
             try:
-                self.channel.send_step(None)  # not waited for: a stage already gone never takes it
+                if self.failure is None:
+                    self.channel.send_step(None)  # not waited for: a stage already gone never takes it
             except RuntimeError as exc:  # a stage already gone: stop the others anyway
                 log.warning("pipeline stages did not all take the stop: %s", exc)
             finally:
                 for proc in self.procs:
                     try:
-                        proc.wait(timeout=30)
+                        proc.wait(timeout=30 if self.failure is None else 0.5)
                     except subprocess.TimeoutExpired:
                         proc.kill()
+                        proc.wait()
                 self.procs = []
                 self.channel.pending = []
                 with on_device(self.device):

@@ -193,9 +193,11 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if (failure := engine.failure()) is not None:
+            return JSONResponse({"status": "unavailable", "reason": failure}, status_code=503)
         if engine.is_alive():
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "unavailable", "reason": "shutting down"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

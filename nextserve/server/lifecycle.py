@@ -35,11 +35,16 @@ def serve(
     limits: ServerLimits = DEFAULT_LIMITS,
     reasoning: bool = True,
     tool_call_format: str = "auto",
-) -> None:
+) -> int:
     """Binds host:port (a ConfigError when it cannot: before any model is loaded), loads the model and
     serves it until SIGINT/SIGTERM. On the signal it stops accepting connections, lets in-flight requests
     finish for up to shutdown_timeout_s, then aborts the rest (their clients get an error event or a 503,
-    not a cut connection) and returns. A second signal aborts at once."""
+    not a cut connection) and returns 0. A second signal aborts at once.
+
+    # NOTE: when the engine cannot serve any more (a pipeline stage died: its requests have failed, and
+    # /health answers 503 naming the stage) the server stops after FAILED_GRACE_S and returns 1, for a
+    # supervisor (systemd's Restart=on-failure, a container's restart policy) to start it again; it does
+    # not rebuild the pipeline itself."""
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -98,9 +103,12 @@ def serve(
             grace_s=shutdown_timeout_s,
             on_started=listening,
         )
+        watcher = threading.Thread(target=_stop_when_failed, args=(engine, server), daemon=True)
+        watcher.start()
         server.run(sockets=[sock])
         if not server.started:
             raise ConfigError(f"could not serve on {host}:{port} (see the log above)")
+        return 1 if engine.failure() is not None else 0
     finally:
         if timer is not None:
             timer.cancel()
@@ -109,6 +117,21 @@ def serve(
         engine.shutdown(abort_running=True)
         sock.close()
         log.info("stopped")
+
+
+FAILED_GRACE_S = 5.0  # /health says 503 this long (for a load balancer to see) before the server stops
+
+
+def _stop_when_failed(engine: AsyncEngine, server: uvicorn.Server) -> None:
+    while not server.should_exit:
+        failure = engine.failure()
+        if failure is not None:
+            log.error("the engine cannot serve any more (%s): stopping in %g s, exit code 1", failure,
+                      FAILED_GRACE_S)  # fmt: skip
+            time.sleep(FAILED_GRACE_S)
+            server.should_exit = True
+            return
+        time.sleep(0.5)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -393,3 +393,31 @@ def test_preemption_through_the_stages_gives_the_single_device_outputs(small_mod
         assert_pool_full(split)
     finally:
         split.close()
+
+
+@pytest.mark.parametrize("stages,victim", [(2, 0), (3, 0), (3, 1)])
+def test_a_dead_stage_fails_its_requests_and_never_hangs(small_model_dir, stages: int, victim: int) -> None:
+    """`kill -9` of a stage process mid-request: the request ends with an error naming the stage within
+    seconds, later requests are refused at once (no step loops on a broken pipeline), and close() leaves
+    no stage process behind."""
+    import threading
+    import time
+
+    llm = LLM(str(small_model_dir), pipeline_stages=stages, **FLAGS)
+    procs = list(llm.engine.runner.procs)
+    try:
+        timer = threading.Timer(0.5, procs[victim].kill)
+        timer.start()
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate([_prompts()[0]], params)
+        assert time.monotonic() - t0 < 30
+        assert out.finish_reason == "error" and "pipeline stage" in out.error, out.error
+        assert llm.engine.failure() is not None and "exited" in llm.engine.failure()
+        with pytest.raises(RuntimeError, match="cannot serve"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        t0 = time.monotonic()
+        llm.close()
+        assert time.monotonic() - t0 < 10
+    assert all(p.poll() is not None for p in procs)

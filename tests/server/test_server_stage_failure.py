@@ -1,0 +1,95 @@
+"""A pipeline stage that dies under a live server (issue 21): the request in flight gets an error, not a
+hang; /health answers 503 naming the stage; new requests are refused; the stages are reaped at shutdown.
+(`nextserve serve` then stops and exits 1 after FAILED_GRACE_S: server/lifecycle.py.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from live_server import MODEL_NAME, live_server
+
+
+def test_a_dead_stage_makes_health_503_and_fails_requests(tiny_model_dir) -> None:
+    with live_server(tiny_model_dir, pipeline_stages=2) as srv:
+        status, _, body = srv.request("GET", "/health")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        procs = list(srv.engine.engine.runner.procs)
+        threading.Timer(0.5, procs[0].kill).start()
+        t0 = time.monotonic()
+        ask = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900,
+               "ignore_eos": True}  # fmt: skip
+        status, _, body = srv.request("POST", "/v1/chat/completions", ask, timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert status >= 500 and "pipeline stage 1" in json.loads(body)["error"]["message"], body
+        status, _, body = srv.request("GET", "/health")
+        assert status == 503 and "pipeline stage 1 exited" in json.loads(body)["reason"], body
+        status, _, body = srv.request("POST", "/v1/chat/completions", ask | {"max_tokens": 2})
+        assert status >= 500 and "cannot serve" in json.loads(body)["error"]["message"], body
+    assert all(p.poll() is not None for p in procs)
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is pid (from /proc)."""
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_nextserve_serve_exits_1_after_a_stage_dies(tiny_model_dir) -> None:
+    import http.client
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from nextserve.server.lifecycle import FAILED_GRACE_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nextserve.cli", "serve", "--model", str(tiny_model_dir), "--port",
+           str(port), "--device", "cpu", "--kv-capacity", "1024", "--max-context", "512",
+           "--pipeline-stages", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def health() -> int | None:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            return conn.getresponse().status
+        except OSError:
+            return None
+
+    try:
+        deadline = time.monotonic() + 90
+        while health() != 200:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        (stage,) = _children(proc.pid)
+        os.kill(stage, signal.SIGKILL)
+        ask = {"model": str(tiny_model_dir), "prompt": "Once", "max_tokens": 4}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(ask), {"Content-Type": "application/json"})
+        assert conn.getresponse().status >= 500
+        assert health() == 503
+        rc = proc.wait(FAILED_GRACE_S + 30)
+        log = proc.stdout.read()
+        assert rc == 1, log
+        assert "pipeline stage 1 exited" in log and "exit code 1" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
