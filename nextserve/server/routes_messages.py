@@ -15,16 +15,17 @@ from pydantic import ValidationError
 
 from ..engine.outputs import RequestOutput
 from . import anthropic as A
+from .answer_stream import AnswerStream
 from .body import BodyTooLarge, parse_body
 from .checks import check_chat, check_common, with_reasoning_default
 from .errors import APIError, bad, failure_error, log, validation_error
 from .generation import CLIENT_GONE, Generation
 from .prepare import ClientGone
-from .reasoning import ReasoningSplitter, reasoning_opened, split_reasoning
+from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, start_chat
 from .state import ServerState
-from .streaming import EventStream, TextStream
-from .tool_calls import CallArgs, CallStart, ContentDelta, ToolCallParser, parse_tool_calls
+from .streaming import EventStream
+from .tool_calls import CallArgs, CallStart, ContentDelta, parse_tool_calls
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -147,9 +148,7 @@ class _Reply:
 
     async def events(self) -> AsyncIterator[str]:
         gen = self.gen
-        parser = ToolCallParser(self.names) if self.names is not None else None
-        texts = TextStream(gen.params.stop)
-        thinking = ReasoningSplitter(self.opened) if self.opened is not None else None
+        answer = AnswerStream(gen.params.stop, self.opened, self.names)
         blocks = _Blocks()
         started = False
         try:
@@ -172,22 +171,16 @@ class _Reply:
                             "content": [], "stop_reason": None, "stop_sequence": None,
                             "usage": self.usage(out, output_tokens=0),
                         }})  # fmt: skip
-                    delta = texts.delta(out.text, out.finished)
-                    if thinking is not None:
-                        thought, delta = thinking.feed(delta, out.finished)
-                        for text in blocks.thinking(thought):
-                            yield text
-                    if parser is not None:
-                        evs = parser.feed(delta) + (parser.finish() if out.finished else [])
-                    else:
-                        evs = [ContentDelta(delta)] if delta else []
+                    thought, evs = answer.feed(out)
+                    for text in blocks.thinking(thought):
+                        yield text
                     for ev in evs:
                         for text in blocks.event(ev):
                             yield text
                     if out.finished:
                         for text in blocks.close():
                             yield text
-                        reason, seq = self.stop(out, parser is not None and bool(parser.calls))
+                        reason, seq = self.stop(out, answer.called)
                         gen.tracker.finish(out.finish_reason)
                         yield _event("message_delta", {
                             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},

@@ -15,16 +15,17 @@ from pydantic import ValidationError
 
 from ..engine.outputs import RequestOutput
 from . import responses as R
+from .answer_stream import AnswerStream
 from .body import parse_body
 from .checks import check_chat, check_common, with_reasoning_default
 from .errors import APIError, bad, failure_error, validation_error
 from .generation import CLIENT_GONE, Generation
-from .reasoning import ReasoningSplitter, reasoning_opened, split_reasoning
+from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, start_chat
 from .state import ServerState
-from .streaming import KEEPALIVE, EventStream, TextStream
+from .streaming import KEEPALIVE, EventStream
 from .tenants import TENANT_KEY
-from .tool_calls import CallArgs, CallStart, ContentDelta, ToolCallParser, parse_tool_calls
+from .tool_calls import CallArgs, CallStart, ContentDelta, parse_tool_calls
 
 
 def _tenant(request: Request) -> str:
@@ -153,9 +154,7 @@ class _Reply:
 
     async def events(self) -> AsyncIterator[str]:
         gen, seq = self.gen, _Sequence()
-        parser = ToolCallParser(self.names) if self.names is not None else None
-        texts = TextStream(gen.params.stop)
-        thinking = ReasoningSplitter(self.opened) if self.opened is not None else None
+        answer = AnswerStream(gen.params.stop, self.opened, self.names)
         items = _Items(seq)
         yield seq.event("response.created", response=self.body("in_progress", [], None))
         yield seq.event("response.in_progress", response=self.body("in_progress", [], None))
@@ -174,15 +173,9 @@ class _Reply:
                         yield seq.event("response.failed", response=self.body("failed", items.done, None,
                                                                                 error=error))  # fmt: skip
                         return
-                    delta = texts.delta(out.text, out.finished)
-                    if thinking is not None:
-                        thought, delta = thinking.feed(delta, out.finished)
-                        for text in items.reasoning(thought):
-                            yield text
-                    if parser is not None:
-                        evs = parser.feed(delta) + (parser.finish() if out.finished else [])
-                    else:
-                        evs = [ContentDelta(delta)] if delta else []
+                    thought, evs = answer.feed(out)
+                    for text in items.reasoning(thought):
+                        yield text
                     for ev in evs:
                         for text in items.event(ev):
                             yield text

@@ -31,9 +31,9 @@ def gate_steps(eng: AsyncEngine) -> threading.Event:
     """Makes every engine step wait for the returned event (a step that takes as long as the test likes)."""
     gate, step = threading.Event(), eng.engine.step
 
-    def gated():
+    def gated(*args, **kwargs):  # NOTE: the engine thread calls step(deltas=True)
         gate.wait(10)
-        return step()
+        return step(*args, **kwargs)
 
     eng.engine.step = gated
     return gate
@@ -75,6 +75,32 @@ def test_add_and_refusals_do_not_wait_for_a_step(engine):
     outs = asyncio.run(run())
     assert all(o.finish_reason == "abort" for o in outs)
     assert pool_full(engine.stats())
+
+
+def test_a_step_that_raises_ends_its_requests_instead_of_looping(engine, caplog):
+    """A raise out of engine.step (a bug, or a pipeline that broke) would raise again at the next step
+    with the same requests: the engine thread ends them with the error, logs once, and serves on."""
+    calls, step = [], engine.engine.step
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    engine.engine.step = broken
+
+    async def run():
+        return await finish(engine.add_request([5, 6, 7], LONG, "x"))
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "error" and "engine step failed: RuntimeError: boom" in out.error
+    time.sleep(0.2)
+    assert len(calls) == 1 and engine.is_alive()
+    engine.engine.step = step
+
+    async def again():
+        return await finish(engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), "y"))
+
+    assert asyncio.run(again()).finish_reason == "length"
 
 
 def test_failure_on_the_engine_thread_is_an_error_output(engine):
