@@ -316,6 +316,7 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from .engine.engine import LLMEngine
     from .engine.sampling import SamplingParams
 
+    engine = None
     try:
         engine = LLMEngine(engine_config_from_args(args))
         prompt = args.prompt
@@ -331,19 +332,24 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         )  # fmt: skip
         engine.add_request(prompt, params, "cli")
     except (ConfigError, ValueError) as exc:
+        if engine is not None:
+            engine.close()
         print(f"nextserve generate: {exc}", file=sys.stderr)
         return 2
     shown = ""
-    while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.text[len(shown) :])
-            sys.stdout.flush()
-            shown = out.text
-            if out.finished and out.finish_reason == "error":
-                print(f"\nnextserve generate: {out.error}", file=sys.stderr)
-                return 1
-    sys.stdout.write("\n")
-    return 0
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.text[len(shown) :])
+                sys.stdout.flush()
+                shown = out.text
+                if out.finished and out.finish_reason == "error":
+                    print(f"\nnextserve generate: {out.error}", file=sys.stderr)
+                    return 1
+        sys.stdout.write("\n")
+        return 0
+    finally:
+        engine.close()  # pipeline stages stopped in order, not left to see a closed socket
 
 
 def _make_model_parser(sub) -> None:

@@ -44,7 +44,16 @@ def stage_main(setup: StageSetup) -> None:
     if setup.cuda_graph and device.type == "cuda":
         worker.capture_graphs(pool.pages_for(setup.max_context), setup.num_slots, setup.window_steps)
     channel.broadcast(None)  # ready
-    while (step := channel.recv_step()) is not None:
+    while True:
+        try:
+            step = channel.recv_step()
+        except RuntimeError:  # the driver went without a stop (it died): nothing left to serve
+            print(
+                f"nextserve stage {setup.rank}: the driver closed the connection, stopping", file=sys.stderr
+            )
+            os._exit(0)
+        if step is None:
+            break
         worker.run(step, setup.dtype)
     transport.close()
 

@@ -93,3 +93,60 @@ def test_nextserve_serve_exits_1_after_a_stage_dies(tiny_model_dir) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_clean_exits_with_stages_leave_no_traceback_and_no_process(tiny_model_dir) -> None:
+    """`nextserve generate` and `nextserve serve` (stopped by SIGTERM) with two stages: exit 0, no traceback
+    in the output, no stage process left (a stage whose driver goes without a stop stops quietly)."""
+    import http.client
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    base = ["--model", str(tiny_model_dir), "--device", "cpu", "--kv-capacity", "1024", "--max-context",
+            "512", "--pipeline-stages", "2"]  # fmt: skip
+    cli = [sys.executable, "-m", "nextserve.cli"]
+    gen = subprocess.run([*cli, "generate", *base, "--prompt", "Once", "--max-tokens", "6"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gen.returncode == 0 and "Traceback" not in gen.stderr, gen.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([*cli, "serve", *base, "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline, stages = time.monotonic() + 90, []
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        stages = _children(proc.pid)
+        assert len(stages) == 1
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        log = proc.stdout.read()
+        assert rc == 0 and "Traceback" not in log, log
+        time.sleep(0.5)
+        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in stages)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie awaiting its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
