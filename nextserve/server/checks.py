@@ -84,7 +84,11 @@ def check_completion(req: P.CompletionRequest) -> None:
         raise bad("echo with logprobs is not supported (no prompt logprobs)", param="echo")
 
 
-def check_length(srv: ServerState, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
+def check_length(
+    srv: ServerState, n_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str = "max_tokens"
+) -> None:
+    """The prompt fits max_context with room for max_tokens; the errors name the request's own fields
+    (`prompt_param`, `max_param`: each dialect's names)."""
     if n_prompt == 0:
         raise bad("the prompt is empty", param=prompt_param)
     if n_prompt >= srv.max_context:
@@ -98,8 +102,8 @@ def check_length(srv: ServerState, n_prompt: int, max_tokens: int | None, prompt
         raise bad(
             f"This model's maximum context length is {srv.max_context} tokens. However, you requested "
             f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
-            "Reduce the prompt or max_tokens.",
-            param="max_tokens",
+            f"Reduce the prompt or {max_param}.",
+            param=max_param,
             code="context_length_exceeded",
         )
 

@@ -240,8 +240,8 @@ class Generation:
             return None
         consume.result()  # a failure of the drain itself
         outs = [self.stream.outputs[rid] for rid in self.rids]
-        failed = [o for o in outs if o.finish_reason in ("error", "abort")]
-        self.tracker.finish(failed[0].finish_reason if failed else outs[0].finish_reason)
+        bad = [o for o in outs if failed(o)]
+        self.tracker.finish(bad[0].finish_reason if bad else outs[0].finish_reason)
         return outs
 
     # -- streaming --------------------------------------------------------------------------------------
@@ -259,33 +259,51 @@ class Generation:
             body["usage"] = self.usage() if self.continuous else None
         return sse(body)
 
+    async def outputs(self) -> AsyncIterator[RequestOutput | None]:
+        """The streamed outputs as they come, the tracker updated: None after keepalive_s of quiet (time
+        for a keep-alive), a failed output last (the tracker finished with it); it ends once every choice
+        has finished. The dialects' event streams are built on it (each closes the generation itself)."""
+        while True:
+            outs = await self.stream.next(self.srv.keepalive_s)
+            if outs is None:
+                yield None
+                continue
+            for out in outs:
+                self.tracker.update(out)
+                if failed(out):
+                    self.tracker.finish(out.finish_reason)
+                    yield out
+                    return
+                yield out
+            if self.stream.finished:
+                return
+
     async def _events(self, renderers: list[ChoiceRenderer]) -> AsyncIterator[str]:
         try:
-            while True:
-                outs = await self.stream.next(self.srv.keepalive_s)
-                if outs is None:
+            async for out in self.outputs():
+                if out is None:
                     yield KEEPALIVE
-                    continue
-                for out in outs:
-                    self.tracker.update(out)
-                    if out.finish_reason in ("error", "abort"):
-                        self.tracker.finish(out.finish_reason)
-                        yield sse(failure_error(out).body())
-                        yield DONE
-                        return
+                elif failed(out):
+                    yield sse(failure_error(out).body())
+                    yield DONE
+                    return
+                else:
                     renderer = renderers[self.index[out.request_id]]
                     for text in renderer.chunks(out):
                         yield text
                     if out.finished:
                         yield renderer.final(out)
-                if self.stream.finished:
-                    self.tracker.finish(self.stream.outputs[self.rids[0]].finish_reason)
-                    if self.include_usage:
-                        yield sse(self.envelope(self.chunk_object, [], usage=self.usage()))
-                    yield DONE
-                    return
+            self.tracker.finish(self.stream.outputs[self.rids[0]].finish_reason)
+            if self.include_usage:
+                yield sse(self.envelope(self.chunk_object, [], usage=self.usage()))
+            yield DONE
         finally:
             self.close()
+
+
+def failed(out: RequestOutput) -> bool:
+    """Whether an output ended its request with an error or an abort."""
+    return out.finish_reason in ("error", "abort")
 
 
 def finite(x: float) -> float:

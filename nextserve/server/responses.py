@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
@@ -79,18 +79,21 @@ class ReasoningItem(BaseModel):
     content: list[InputText] | None = None
 
 
+RefusedKind = Literal[
+    "item_reference", "file_search_call", "web_search_call", "computer_call", "image_generation_call"
+]
+
+
 class RefusedItem(BaseModel):
     model_config = _ITEM
-    type: Literal[
-        "item_reference", "file_search_call", "web_search_call", "computer_call", "image_generation_call"
-    ]
+    type: RefusedKind
 
 
 def _item_kind(v: Any) -> str:
     """An input item's tag: its `type` ("message" when it has none, as the API allows), "refused" for the
     types this server refuses by name."""
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
-    return "refused" if kind in RefusedItem.model_fields["type"].annotation.__args__ else kind
+    return "refused" if kind in get_args(RefusedKind) else kind
 
 
 InputItem = Annotated[

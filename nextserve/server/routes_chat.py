@@ -23,13 +23,14 @@ from .tool_calls import CallArgs, CallStart, ContentDelta, Event, ToolCallParser
 
 
 async def chat_prompt(
-    srv: ServerState, request: Request, req: P.ChatCompletionRequest
+    srv: ServerState, request: Request, req: P.ChatCompletionRequest, param: str = "messages"
 ) -> tuple[list[int], int | None]:
-    """The rendered prompt's ids and its message checkpoint (a template that rejects the chat: a 400)."""
+    """The rendered prompt's ids and its message checkpoint (a template that rejects the chat: a 400
+    naming `param`)."""
     try:
         return await srv.prep.run(request, encode_chat, srv.tokenizer, req)
     except ValueError as exc:
-        raise bad(str(exc), param="messages") from None
+        raise bad(str(exc), param=param) from None
 
 
 async def start_chat(
@@ -38,12 +39,13 @@ async def start_chat(
     req: P.ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: int | None,
+    fields: tuple[str, str] = ("messages", "max_tokens"),
 ) -> tuple[Generation, list[int], dict[str, Any] | None]:
     """A checked chat request (also the Messages and Responses dialects', translated) queued to the engine:
     its Generation, prompt ids and the tools its answer may call, name -> parameters schema (None: no tool
-    calls are parsed)."""
-    ids, checkpoint = await chat_prompt(srv, request, req)
-    check_length(srv, len(ids), max_tokens, "messages")
+    calls are parsed). `fields`: the dialect's names of the conversation and max_tokens, for errors."""
+    ids, checkpoint = await chat_prompt(srv, request, req, fields[0])
+    check_length(srv, len(ids), max_tokens, *fields)
     params = sampling_params(srv, req, max_tokens, logprobs)
     tool_mode = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_mode else None

@@ -19,7 +19,7 @@ from .answer_stream import AnswerStream
 from .body import BodyTooLarge, parse_body
 from .checks import check_chat, check_common, with_reasoning_default
 from .errors import APIError, bad, failure_error, log, validation_error
-from .generation import CLIENT_GONE, Generation
+from .generation import CLIENT_GONE, Generation, failed
 from .prepare import ClientGone
 from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, start_chat
@@ -152,42 +152,38 @@ class _Reply:
         blocks = _Blocks()
         started = False
         try:
-            while True:
-                outs = await gen.stream.next(self.srv.keepalive_s)
-                if outs is None:
+            async for out in gen.outputs():
+                if out is None:
                     yield _event("ping", {"type": "ping"})
                     continue
-                for out in outs:
-                    gen.tracker.update(out)
-                    if out.finish_reason in ("error", "abort"):
-                        gen.tracker.finish(out.finish_reason)
-                        err = failure_error(out)
-                        yield _event("error", A.error_body(err.status, err.message))
-                        return
-                    if not started:
-                        started = True
-                        yield _event("message_start", {"type": "message_start", "message": {
-                            "id": self.id, "type": "message", "role": "assistant", "model": self.srv.name,
-                            "content": [], "stop_reason": None, "stop_sequence": None,
-                            "usage": self.usage(out, output_tokens=0),
-                        }})  # fmt: skip
-                    thought, evs = answer.feed(out)
-                    for text in blocks.thinking(thought):
+                if failed(out):
+                    err = failure_error(out)
+                    yield _event("error", A.error_body(err.status, err.message))
+                    return
+                if not started:
+                    started = True
+                    yield _event("message_start", {"type": "message_start", "message": {
+                        "id": self.id, "type": "message", "role": "assistant", "model": self.srv.name,
+                        "content": [], "stop_reason": None, "stop_sequence": None,
+                        "usage": self.usage(out, output_tokens=0),
+                    }})  # fmt: skip
+                thought, evs = answer.feed(out)
+                for text in blocks.thinking(thought):
+                    yield text
+                for ev in evs:
+                    for text in blocks.event(ev):
                         yield text
-                    for ev in evs:
-                        for text in blocks.event(ev):
-                            yield text
-                    if out.finished:
-                        for text in blocks.close():
-                            yield text
-                        reason, seq = self.stop(out, answer.called)
-                        gen.tracker.finish(out.finish_reason)
-                        yield _event("message_delta", {
-                            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                            "usage": {"output_tokens": len(out.token_ids)},
-                        })  # fmt: skip
-                        yield _event("message_stop", {"type": "message_stop"})
-                        return
+                if out.finished:
+                    for text in blocks.close():
+                        yield text
+                    reason, seq = self.stop(out, answer.called)
+                    gen.tracker.finish(out.finish_reason)
+                    yield _event("message_delta", {
+                        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": {"output_tokens": len(out.token_ids)},
+                    })  # fmt: skip
+                    yield _event("message_stop", {"type": "message_stop"})
+                    return
         finally:
             gen.close()
 

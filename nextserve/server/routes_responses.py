@@ -19,7 +19,7 @@ from .answer_stream import AnswerStream
 from .body import parse_body
 from .checks import check_chat, check_common, with_reasoning_default
 from .errors import APIError, bad, failure_error, validation_error
-from .generation import CLIENT_GONE, Generation
+from .generation import CLIENT_GONE, Generation, failed
 from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, start_chat
 from .state import ServerState
@@ -58,7 +58,7 @@ async def _chat_of(srv: ServerState, request: Request, model: type) -> tuple[Any
 async def input_tokens(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         _, chat, _ = await _chat_of(srv, request, R.InputTokensRequest)
-        ids, _ = await chat_prompt(srv, request, chat)
+        ids, _ = await chat_prompt(srv, request, chat, "input")
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
@@ -75,19 +75,11 @@ async def delete(srv: ServerState, request: Request, rid: str) -> Response:
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
-_FIELDS = {"max_tokens": "max_output_tokens", "messages": "input"}  # the chat route's names, this dialect's
-
-
 async def create(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         req, chat, conversation = await _chat_of(srv, request, R.ResponsesRequest)
-        try:
-            gen, ids, names = await start_chat(srv, request, chat, req.max_output_tokens, None)
-        except APIError as exc:  # a length check names the chat route's fields: name this dialect's
-            if exc.param in _FIELDS:
-                exc.message = exc.message.replace(exc.param, _FIELDS[exc.param])
-                exc.param = _FIELDS[exc.param]
-            raise
+        fields = ("input", "max_output_tokens")
+        gen, ids, names = await start_chat(srv, request, chat, req.max_output_tokens, None, fields)
     reply = _Reply(srv, gen, req, names, reasoning_opened(srv, ids), conversation, _tenant(request))
     if req.stream:
         return EventStream(reply.events(), on_close=gen.close, request_id=reply.id)
@@ -159,36 +151,29 @@ class _Reply:
         yield seq.event("response.created", response=self.body("in_progress", [], None))
         yield seq.event("response.in_progress", response=self.body("in_progress", [], None))
         try:
-            while True:
-                outs = await gen.stream.next(self.srv.keepalive_s)
-                if outs is None:
+            async for out in gen.outputs():
+                if out is None:
                     yield KEEPALIVE
                     continue
-                for out in outs:
-                    gen.tracker.update(out)
-                    if out.finish_reason in ("error", "abort"):
-                        gen.tracker.finish(out.finish_reason)
-                        err = failure_error(out)
-                        error = {"code": "server_error", "message": err.message}
-                        yield seq.event("response.failed", response=self.body("failed", items.done, None,
-                                                                                error=error))  # fmt: skip
-                        return
-                    thought, evs = answer.feed(out)
-                    for text in items.reasoning(thought):
+                if failed(out):
+                    error = {"code": "server_error", "message": failure_error(out).message}
+                    yield seq.event("response.failed", response=self.body("failed", items.done, None,
+                                                                            error=error))  # fmt: skip
+                    return
+                thought, evs = answer.feed(out)
+                for text in items.reasoning(thought):
+                    yield text
+                for ev in evs:
+                    for text in items.event(ev):
                         yield text
-                    for ev in evs:
-                        for text in items.event(ev):
-                            yield text
-                    if out.finished:
-                        for text in items.close():
-                            yield text
-                        gen.tracker.finish(out.finish_reason)
-                        body = self.finish(out, items.done)
-                        kind = (
-                            "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-                        )
-                        yield seq.event(kind, response=body)
-                        return
+                if out.finished:
+                    for text in items.close():
+                        yield text
+                    gen.tracker.finish(out.finish_reason)
+                    body = self.finish(out, items.done)
+                    kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+                    yield seq.event(kind, response=body)
+                    return
         finally:
             gen.close()
 

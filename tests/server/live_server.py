@@ -86,6 +86,25 @@ class LiveServer:
                 return s
 
 
+def health_status(port: int) -> int | None:
+    """The status of GET /health on 127.0.0.1:port (None: nothing answers)."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return None
+
+
+def wait_healthy(proc, port: int, timeout: float = 90.0) -> None:
+    """Waits until a `nextserve serve` subprocess answers /health with 200 (fails if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while health_status(port) != 200:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 def wait_until(cond, timeout: float = 5.0) -> bool:
     """Polls cond() every 10 ms until it holds (True) or timeout seconds pass (its last value)."""
     deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from live_server import wait_healthy
 
 from nextserve.cli import build_parser, engine_config_from_args, main
 from nextserve.config import EngineConfig
@@ -154,18 +155,7 @@ def test_signal_stops_gracefully(tiny_model_dir, sig):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, port)
         long = sig == signal.SIGINT
         body = {
             "prompt": "Once upon a time",

@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from live_server import MODEL_NAME, live_server
+from live_server import MODEL_NAME, health_status, live_server, wait_healthy
 
 
 def test_a_dead_stage_makes_health_503_and_fails_requests(tiny_model_dir) -> None:
@@ -65,27 +65,15 @@ def test_nextserve_serve_exits_1_after_a_stage_dies(tiny_model_dir) -> None:
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
-    def health() -> int | None:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            return conn.getresponse().status
-        except OSError:
-            return None
-
     try:
-        deadline = time.monotonic() + 90
-        while health() != 200:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, port)
         (stage,) = _children(proc.pid)
         os.kill(stage, signal.SIGKILL)
         ask = {"model": str(tiny_model_dir), "prompt": "Once", "max_tokens": 4}
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/v1/completions", json.dumps(ask), {"Content-Type": "application/json"})
         assert conn.getresponse().status >= 500
-        assert health() == 503
+        assert health_status(port) == 503
         rc = proc.wait(FAILED_GRACE_S + 30)
         log = proc.stdout.read()
         assert rc == 1, log
@@ -98,7 +86,6 @@ def test_nextserve_serve_exits_1_after_a_stage_dies(tiny_model_dir) -> None:
 def test_clean_exits_with_stages_leave_no_traceback_and_no_process(tiny_model_dir) -> None:
     """`nextserve generate` and `nextserve serve` (stopped by SIGTERM) with two stages: exit 0, no traceback
     in the output, no stage process left (a stage whose driver goes without a stop stops quietly)."""
-    import http.client
     import os
     import signal
     import socket
@@ -118,18 +105,7 @@ def test_clean_exits_with_stages_leave_no_traceback_and_no_process(tiny_model_di
     proc = subprocess.Popen([*cli, "serve", *base, "--port", str(port)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        deadline, stages = time.monotonic() + 90, []
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, port)
         stages = _children(proc.pid)
         assert len(stages) == 1
         proc.send_signal(signal.SIGTERM)
