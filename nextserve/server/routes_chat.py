@@ -2,24 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from ..engine.outputs import RequestOutput
 from . import protocol as P
 from .body import parse_body
 from .checks import check_chat, check_common, check_length, sampling_params, with_reasoning_default
 from .constraints import output_constraint
-from .errors import bad
+from .errors import bad, validation_error
 from .generation import Generation, finite
 from .reasoning import ReasoningSplitter, reasoning_opened, split_reasoning
 from .render import encode_chat
 from .state import ServerState
 from .streaming import TextStream
 from .tool_calls import CallArgs, CallStart, ContentDelta, Event, ToolCallParser, parse_tool_calls
+
+T = TypeVar("T")
+
+
+def translated_chat(srv: ServerState, build: Callable[[dict[str, Any]], T]) -> T:
+    """Another dialect's request as the chat route's, `build(context)` translating it (validated as the
+    chat route validates): what fails is a 400 naming the field."""
+    try:
+        return build({"limits": srv.limits, "max_prompt": None})
+    except ValidationError as exc:  # the translated conversation fails the chat route's checks
+        raise validation_error(exc.errors()) from None
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+
+
+def checked_chat(srv: ServerState, req: P.ChatCompletionRequest) -> P.ChatCompletionRequest:
+    """The chat route's checks of a parsed request, then its reasoning default."""
+    check_common(srv, req)
+    check_chat(req)
+    return with_reasoning_default(srv, req)
 
 
 async def chat_prompt(
@@ -60,9 +81,7 @@ async def chat_completions(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         raw = await request.body()
         req = await srv.prep.run(request, parse_body, raw, P.ChatCompletionRequest, srv.limits)
-        check_common(srv, req)
-        check_chat(req)
-        req = with_reasoning_default(srv, req)
+        req = checked_chat(srv, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         gen, ids, names = await start_chat(srv, request, req, max_tokens, logprobs)

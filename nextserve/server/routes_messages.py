@@ -11,18 +11,16 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from ..engine.outputs import RequestOutput
 from . import anthropic as A
 from .answer_stream import AnswerStream
 from .body import BodyTooLarge, parse_body
-from .checks import check_chat, check_common, with_reasoning_default
-from .errors import APIError, bad, failure_error, log, validation_error
+from .errors import APIError, failure_error, log
 from .generation import CLIENT_GONE, Generation, failed
 from .prepare import ClientGone
 from .reasoning import reasoning_opened, split_reasoning
-from .routes_chat import chat_prompt, start_chat
+from .routes_chat import chat_prompt, checked_chat, start_chat, translated_chat
 from .state import ServerState
 from .streaming import EventStream
 from .tool_calls import CallArgs, CallStart, ContentDelta, parse_tool_calls
@@ -37,15 +35,8 @@ def anthropic_error(exc: APIError) -> JSONResponse:
 async def _chat_of(srv: ServerState, request: Request, model: type) -> tuple[Any, Any]:
     raw = await request.body()
     req = await srv.prep.run(request, parse_body, raw, model, srv.limits)
-    try:
-        chat = A.chat_request(req, {"limits": srv.limits, "max_prompt": None})
-    except ValidationError as exc:  # the translated conversation fails the chat route's checks
-        raise validation_error(exc.errors()) from None
-    except ValueError as exc:
-        raise bad(str(exc)) from None
-    check_common(srv, chat)
-    check_chat(chat)
-    return req, with_reasoning_default(srv, chat)
+    chat = translated_chat(srv, lambda context: A.chat_request(req, context))
+    return req, checked_chat(srv, chat)
 
 
 async def count_tokens(srv: ServerState, request: Request) -> Response:

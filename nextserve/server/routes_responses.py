@@ -11,17 +11,15 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from ..engine.outputs import RequestOutput
 from . import responses as R
 from .answer_stream import AnswerStream
 from .body import parse_body
-from .checks import check_chat, check_common, with_reasoning_default
-from .errors import APIError, bad, failure_error, validation_error
+from .errors import APIError, failure_error
 from .generation import CLIENT_GONE, Generation, failed
 from .reasoning import reasoning_opened, split_reasoning
-from .routes_chat import chat_prompt, start_chat
+from .routes_chat import chat_prompt, checked_chat, start_chat, translated_chat
 from .state import ServerState
 from .streaming import KEEPALIVE, EventStream
 from .tenants import TENANT_KEY
@@ -44,15 +42,8 @@ async def _chat_of(srv: ServerState, request: Request, model: type) -> tuple[Any
         previous = srv.responses.get(req.previous_response_id, _tenant(request))
         if previous is None:
             raise _not_found(req.previous_response_id)
-    try:
-        chat, conversation = R.chat_request(req, previous, {"limits": srv.limits, "max_prompt": None})
-    except ValidationError as exc:  # the translated conversation fails the chat route's checks
-        raise validation_error(exc.errors()) from None
-    except ValueError as exc:
-        raise bad(str(exc)) from None
-    check_common(srv, chat)
-    check_chat(chat)
-    return req, with_reasoning_default(srv, chat), conversation
+    chat, conversation = translated_chat(srv, lambda context: R.chat_request(req, previous, context))
+    return req, checked_chat(srv, chat), conversation
 
 
 async def input_tokens(srv: ServerState, request: Request) -> Response:
