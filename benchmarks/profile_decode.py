@@ -2,6 +2,7 @@
 every kernel of one eager step, summed by kernel name.
 
     python benchmarks/profile_decode.py --concurrency 1 8     # flash-next preset, 8 layers, bf16
+    python benchmarks/profile_decode.py --concurrency 1 --quantization fp8
 
 Prints one JSON object (revision, hardware, command, figures).
 """
@@ -127,13 +128,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--quantization",
+        choices=["none", "fp8"],
+        default="none",
+        help="fp8: the projections and experts block-wise FP8 (as `nextserve bench` draws them)",
+    )
     p.add_argument("--prefill", action="store_true", help="also profile a prefill of --prompt-len tokens")
     p.add_argument("--revision", default=None, help="git revision to record when the tree has no .git")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg, _ = bench_config(args.preset, args.layers)
-    model = random_flash_next(cfg, device, dtype, 0)
+    model = random_flash_next(cfg, device, dtype, 0, fp8=args.quantization == "fp8")
     conc = max(args.concurrency)
     # NOTE: room for every phase below (and for the decoding the later prompts' prefill steps already
     # run), so each phase sees all its rows; they are aborted at the end.
@@ -152,6 +159,7 @@ def main() -> None:
         "git": git_info(args.revision),
         "hardware": hardware(device),
         "command": " ".join(["python", *sys.argv]),
+        "quantization": args.quantization,
         "runs": [],
     }
     g = torch.Generator().manual_seed(0)

@@ -2,15 +2,16 @@
 format of Qwen's and DeepSeek's FP8 releases (`weight_scale_inv`) and of compressed-tensors' FP8_BLOCK
 (`weight_scale`, the same multiplier).
 
-FP8 is a storage format here: kernels read the FP8 values and dequantize them in registers, activations
-stay in the model dtype. `dequantize` is the reference every FP8 kernel is checked against (C4) and the
-CPU path: each block's values times its scale in float32 (float64 when asked: exact), rounded once to the
-activations' dtype, then the op runs as on unquantized weights. The kernels dequantize each tile the same
-way and then compute as their 16-bit twins do: in float32 (and in Triton's interpreter) that gives the
-twin's bits on the dequantized weights; in 16-bit dtypes on the H200 the compiler lowers a dot fed from
-registers differently from one fed from memory, so there it is close, not equal
-(tests/ops/test_fp8_kernels.py). Rows stay invariant either way: the tiling is the twin's, a function of
-the weight's shape alone.
+FP8 is a storage format here: kernels read the FP8 values in registers, activations stay in the model
+dtype. `dequantize` is the reference every FP8 kernel is checked against (C4) and the CPU path: each
+block's values times its scale in float32 (float64 when asked: exact), rounded once to the activations'
+dtype, then the op runs as on unquantized weights. The grouped-expert kernels dequantize each tile the
+same way and then compute as their 16-bit twins do: in float32 (and in Triton's interpreter) that gives
+the twin's bits on the dequantized weights; in 16-bit dtypes on the H200 the compiler lowers a dot fed
+from registers differently from one fed from memory, so there it is close, not equal. The small-M GEMV
+instead multiplies the codes and scales each tile's float32 partial per column (ops/triton/gemv.py
+`_weight_args`): close to the reference, not its bits (tests/ops/test_fp8_kernels.py). Rows stay
+invariant either way: the tiling is a function of the weight's shape alone.
 """
 
 from __future__ import annotations

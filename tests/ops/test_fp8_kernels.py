@@ -1,8 +1,9 @@
-"""The FP8 paths of the Triton kernels (ops/fp8.py: weights read as FP8, each tile dequantized in
-registers): the GEMV (plain, K-split, with the SiLU and stream-mix epilogues) and the grouped experts
-(decode and prefill, the shared expert too) are close to float64 on the dequantized weights, rows stay
-invariant (torch.equal), and where the dot has no tensor-core path to choose (float32, and every dtype in
-Triton's interpreter) they give their 16-bit twins' bits on the dequantized weights.
+"""The FP8 paths of the Triton kernels (ops/fp8.py: weights read as FP8): the GEMV (plain, K-split, with
+the SiLU and stream-mix epilogues; each tile's partial scaled per column, gemv._weight_args) and the
+grouped experts (decode and prefill, the shared expert too; each tile dequantized in registers) are close
+to float64 on the dequantized weights, rows stay invariant (torch.equal), and where the dot has no
+tensor-core path to choose (float32, and every dtype in Triton's interpreter) the dequantizing kernels give
+their 16-bit twins' bits on the dequantized weights (the GEMV's earlier form, post_scale=False, too).
 
 # NOTE: on a GPU the 16-bit FP8 tiles reach tl.dot from registers, the 16-bit twin's from memory: the
 # compiler may lower the two dots differently (seen on the H200: not the same bits in bf16 and fp16, in
@@ -35,9 +36,10 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
-def _same_or_close(got: torch.Tensor, twin: torch.Tensor, dtype: torch.dtype) -> None:
-    """Bit for bit where the dot cannot differ (the NOTE above), else within the dtype's rounding."""
-    if INTERPRET or dtype == torch.float32:
+def _same_or_close(got: torch.Tensor, twin: torch.Tensor, dtype: torch.dtype, bits: bool = True) -> None:
+    """Bit for bit where the dot cannot differ (the NOTE above) and the kernel dequantizes each weight
+    (`bits`), else within the dtype's rounding."""
+    if bits and (INTERPRET or dtype == torch.float32):
         assert torch.equal(got, twin)
     else:
         assert _rel(got, twin.double()) < TOL[dtype]
@@ -57,19 +59,44 @@ if not INTERPRET:
 @small
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("post", [True, False])
 @pytest.mark.parametrize("N,K,splits", GEMV)
-def test_fp8_gemv_is_the_16_bit_kernel_on_dequantized_weights(where, dtype, N, K, splits):
-    from nextserve.ops.triton.gemv import small_m_linear
+def test_fp8_gemv_follows_the_16_bit_kernel_on_dequantized_weights(where, dtype, post, N, K, splits):
+    from nextserve.ops.triton.gemv import _config, small_m_linear
 
     w = _fp8(N, K, seed=N + K)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(1)).to(device=DEV, dtype=dtype)
-    got = small_m_linear(x, w, splits=splits)
-    _same_or_close(got, small_m_linear(x, w.dequantize(dtype), splits=splits), dtype)
+    run = dict(splits=splits, post_scale=post)
+    got = small_m_linear(x, w, **run)
+    plain = w.dequantize(dtype)
+    if post:  # the twin in the FP8 configuration (tiles of one scale block): close, not the same bits
+        cfg = _config(N, K, dtype, fp8=True)
+        twin = small_m_linear(x, plain, cfg.block_n, cfg.block_k, splits=splits or cfg.splits)
+    else:
+        twin = small_m_linear(x, plain, splits=splits)
+    _same_or_close(got, twin, dtype, bits=not post)
     assert _rel(got, torch.nn.functional.linear(x.double(), w.dequantize(torch.float64))) < TOL[dtype]
     for m in (1, 3, 17):  # row invariance
-        assert torch.equal(small_m_linear(x[:m].clone(), w, splits=splits), got[:m]), m
+        assert torch.equal(small_m_linear(x[:m].clone(), w, **run), got[:m]), m
     for i in (0, 7, 19) if not INTERPRET else ():  # a row alone (the interpreter's dot is the CPU BLAS'
-        assert torch.equal(small_m_linear(x[i : i + 1], w, splits=splits)[0], got[i])  # : triton_interp.py)
+        assert torch.equal(small_m_linear(x[i : i + 1], w, **run)[0], got[i])  # : triton_interp.py)
+
+
+def test_fp8_gemv_configuration_tiles_one_scale_block():
+    """The FP8 rule: BLOCK_K one scale block, BLOCK_N widened while it still launches the target programs
+    (up to 8 KB FP8 tiles), a function of the shape alone (C1)."""
+    from nextserve.ops.triton.gemv import FP8_BLOCK_K, FP8_TUNED, TARGET_PROGRAMS, _config
+
+    for N, K in [(16480, 2560), (13952, 2560), (2560, 6144), (12800, 2560), (40, 300), (4, 2048)]:
+        cfg = _config(N, K, torch.bfloat16, fp8=True)
+        assert cfg.block_k == FP8_BLOCK_K and cfg.block_n * cfg.block_k <= 8192
+        if (N, K, torch.bfloat16) in FP8_TUNED:  # a measured configuration instead of the rule
+            assert (cfg.block_n, cfg.block_k) == FP8_TUNED[N, K, torch.bfloat16][:2]
+            continue
+        wider = cfg.block_n * 2
+        assert cfg.block_n == 16 or -(-N // cfg.block_n) >= TARGET_PROGRAMS
+        assert wider * FP8_BLOCK_K > 8192 or -(-N // wider) < TARGET_PROGRAMS
+        assert cfg == _config(N, K, torch.bfloat16, fp8=True)
 
 
 @small
@@ -83,12 +110,12 @@ def test_fp8_gemv_epilogues(where, dtype):
     xn = torch.randn(5, n * hidden).to(device=DEV, dtype=dtype)
     plain = down.dequantize(dtype)
     a = small_m_linear(xn, down, silu_cols=r, silu_scale=1 / n)
-    _same_or_close(a, small_m_linear(xn, plain, silu_cols=r, silu_scale=1 / n), dtype)
+    _same_or_close(a, small_m_linear(xn, plain, 16, 128, silu_cols=r, silu_scale=1 / n), dtype, bits=False)
     up = _fp8(n * hidden, r, seed=4)
     act = a[:, :r].contiguous()
     u = small_m_linear_mix(act, up, xn, n, hidden)
     assert u is not None
-    _same_or_close(u, small_m_linear_mix(act, up.dequantize(dtype), xn, n, hidden), dtype)
+    _same_or_close(u, small_m_linear_mix(act, up.dequantize(dtype), xn, n, hidden), dtype, bits=False)
 
 
 @small

@@ -74,19 +74,36 @@ TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {  # (block_n,
     # the attention output projections (GDN out, QSA o_proj): 12.5 us against the rule's 16.0
     (2560, 6144, torch.bfloat16): (64, 64, 8),
 }
+FP8_BLOCK_K = 128  # an FP8 tile's K columns: one scale block, so its partial is scaled once per column
+FP8_TILE_BYTES = 8192
+# FP8 weights' measured best configurations (the same bench, `--fp8`), keyed like TUNED
+FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
+    (13952, 2560, torch.bfloat16): (32, 128, 2),  # QSA in_proj: 19.9 us against the rule's 21.0
+    (2560, 6144, torch.bfloat16): (32, 128, 8),  # GDN out, QSA o_proj: 12.0 us against the rule's 19.9
+}
 
 
 @functools.cache
 def _config(
-    N: int, K: int, dtype: torch.dtype, target: int = TARGET_PROGRAMS, min_split: int = MIN_SPLIT_K_TILES
-) -> Config:
-    """The launch configuration for an [N, K] weight: a function of (N, K, dtype) only (it sets the
+    N: int, K: int, dtype: torch.dtype, target: int = TARGET_PROGRAMS, min_split: int = MIN_SPLIT_K_TILES,
+    fp8: bool = False,
+) -> Config:  # fmt: skip
+    """The launch configuration for an [N, K] weight: a function of (N, K, dtype, fp8) only (it sets the
     numerics: a row's bits are fixed for a given config, whatever M). `target` and `min_split` are the
-    rule's constants, overridden only by the benchmark that compares rules (which then ignores TUNED)."""
-    tuned = TUNED.get((N, K, dtype))
-    if tuned is not None and (target, min_split) == (TARGET_PROGRAMS, MIN_SPLIT_K_TILES):
+    rule's constants, overridden only by the benchmark that compares rules (which then ignores TUNED).
+    `fp8`: an FP8 weight scaled after each tile's dot (POST_SCALE): tiles of one 128-column scale block,
+    BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile)."""
+    rule = (target, min_split) == (TARGET_PROGRAMS, MIN_SPLIT_K_TILES)
+    tuned = (FP8_TUNED if fp8 else TUNED).get((N, K, dtype)) if rule else None
+    if tuned is not None:
         block_n, block_k, want = tuned
         splits = _splits(N, K, block_n, block_k, want=want)
+    elif fp8:
+        block_k = FP8_BLOCK_K
+        block_n = 16
+        while block_n * 2 * block_k <= FP8_TILE_BYTES and triton.cdiv(N, block_n * 2) >= target:
+            block_n *= 2
+        splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
     else:
         block_n = 32 if triton.cdiv(N, 32) >= target else 16
         block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
@@ -129,7 +146,7 @@ def _small_m_gemm(
     SPLIT: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     PRELOAD: tl.constexpr = 0, SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
     MIX_N: tl.constexpr = 0, mix_x_ptr=None, MIX_H=1, stride_mx=0, mix_inv_n=1.0,
-    W_FP8: tl.constexpr = False, s_ptr=None, stride_sn=0, K_BLOCKS=1,
+    W_FP8: tl.constexpr = False, s_ptr=None, stride_sn=0, K_BLOCKS=1, POST_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -138,7 +155,9 @@ def _small_m_gemm(
     are stored as silu(y * silu_scale) instead (`_epilogue`). MIX_N > 0 (one split): the N = MIX_N *
     MIX_H columns are the hyper-connection logits of MIX_N streams, and out [M, MIX_H] gets their stream
     mix with mix_x [M, N] (`_mix_epilogue`). W_FP8: W is float8_e4m3fn with float32 scales s [cdiv(N, 128),
-    K_BLOCKS] (row stride stride_sn), each tile dequantized in registers to x's dtype (`_weight_tile`)."""
+    K_BLOCKS] (row stride stride_sn), each tile dequantized in registers to x's dtype (`_weight_tile`); with
+    POST_SCALE (BLOCK_K = 128, tiles on scale blocks) the tile's codes enter the dot as they are (exact in
+    x's dtype) and its float32 partial is scaled per column before it is added (`_dot_tile`)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -169,20 +188,26 @@ def _small_m_gemm(
     # NOTE: the split's first PRELOAD (<= 4) weight tiles are loaded before the PDL wait: no kernel writes
     # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
     # x is fetched for them. They enter the dot exactly as the loop's tiles do (same tiles, same order).
+    POST: tl.constexpr = W_FP8 and POST_SCALE
     if PRELOAD > 0:
-        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
+        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST)
+        c0 = _tile_scale(s_rows, k_lo, col_ok, POST)
     if PRELOAD > 1:
-        w1 = _weight_tile(
-            w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
-        )
+        k1 = k_lo + BLOCK_K
+        w1 = _weight_tile(w_ptrs + BLOCK_K, mask_n, k1, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST)
+        c1 = _tile_scale(s_rows, k1, col_ok, POST)
     if PRELOAD > 2:
+        k2 = k_lo + 2 * BLOCK_K
         w2 = _weight_tile(
-            w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+            w_ptrs + 2 * BLOCK_K, mask_n, k2, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST
         )
+        c2 = _tile_scale(s_rows, k2, col_ok, POST)
     if PRELOAD > 3:
+        k3 = k_lo + 3 * BLOCK_K
         w3 = _weight_tile(
-            w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+            w_ptrs + 3 * BLOCK_K, mask_n, k3, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST
         )
+        c3 = _tile_scale(s_rows, k3, col_ok, POST)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     pdl_start(PDL)
     if MIX_N > 0:  # issued before the K loop, used after it
@@ -191,18 +216,19 @@ def _small_m_gemm(
         )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRELOAD > 0:
-        acc = _dot_tile(acc, x_ptrs, w0, mask_m, k_lo + rk, k_hi, IEEE)
+        acc = _dot_tile(acc, x_ptrs, w0, mask_m, k_lo + rk, k_hi, IEEE, c0, POST)
     if PRELOAD > 1:
-        acc = _dot_tile(acc, x_ptrs + BLOCK_K, w1, mask_m, k_lo + BLOCK_K + rk, k_hi, IEEE)
+        acc = _dot_tile(acc, x_ptrs + BLOCK_K, w1, mask_m, k1 + rk, k_hi, IEEE, c1, POST)
     if PRELOAD > 2:
-        acc = _dot_tile(acc, x_ptrs + 2 * BLOCK_K, w2, mask_m, k_lo + 2 * BLOCK_K + rk, k_hi, IEEE)
+        acc = _dot_tile(acc, x_ptrs + 2 * BLOCK_K, w2, mask_m, k2 + rk, k_hi, IEEE, c2, POST)
     if PRELOAD > 3:
-        acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k_lo + 3 * BLOCK_K + rk, k_hi, IEEE)
+        acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k3 + rk, k_hi, IEEE, c3, POST)
     x_ptrs += PRELOAD * BLOCK_K
     w_ptrs += PRELOAD * BLOCK_K
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
-        w = _weight_tile(w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
-        acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE)
+        w = _weight_tile(w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST)
+        c = _tile_scale(s_rows, k0, col_ok, POST)
+        acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE, c, POST)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -236,14 +262,18 @@ def _small_m_gemm(
 
 @triton.jit
 def _weight_tile(
-    w_ptrs, mask_n, k0, rk, k_hi, W_FP8: tl.constexpr, s_rows, col_ok, K_BLOCKS, ty: tl.constexpr
-):
+    w_ptrs, mask_n, k0, rk, k_hi, W_FP8: tl.constexpr, s_rows, col_ok, K_BLOCKS, ty: tl.constexpr,
+    POST: tl.constexpr = False,
+):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. FP8: each
     value times its 128 x 128 block's scale in float32, rounded to ty (ops/fp8.py dequantize's roundings),
-    from the two scale columns a tile of up to 256 K columns starting on a multiple of BLOCK_K can touch."""
+    from the two scale columns a tile of up to 256 K columns starting on a multiple of BLOCK_K can touch;
+    with POST the codes only, in ty (exact: every E4M3 value is a 16-bit float), scaled after the dot."""
     kk = k0 + rk
     w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
-    if W_FP8:
+    if POST:
+        w = w.to(ty)
+    elif W_FP8:
         kb = k0 // 128
         s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
         s1 = tl.load(s_rows + tl.minimum(kb + 1, K_BLOCKS - 1), mask=col_ok, other=0.0)  # (past K: unused)
@@ -253,12 +283,26 @@ def _weight_tile(
 
 
 @triton.jit
-def _dot_tile(acc, x_ptrs, w, mask_m, kk, k_hi, IEEE: tl.constexpr):
-    """acc + x[rows, kk] @ w, x's columns past k_hi zeros."""
+def _tile_scale(s_rows, k0, col_ok, POST: tl.constexpr):
+    """With POST: the [BLOCK_N] scales of the tile at K column k0 (one scale block: BLOCK_K = 128)."""
+    s = tl.where(col_ok, 0.0, 0.0)  # one return type either way (unused without POST)
+    if POST:
+        s = tl.load(s_rows + k0 // 128, mask=col_ok, other=0.0)
+    return s
+
+
+@triton.jit
+def _dot_tile(acc, x_ptrs, w, mask_m, kk, k_hi, IEEE: tl.constexpr, scale=0.0, POST: tl.constexpr = False):
+    """acc + x[rows, kk] @ w, x's columns past k_hi zeros; with POST the tile's float32 partial times its
+    columns' scales first (the tile lies in one scale block)."""
     x = tl.load(x_ptrs, mask=mask_m & (kk[None, :] < k_hi), other=0.0)
     if IEEE:
-        return acc + tl.dot(x, w, input_precision="ieee")
-    return acc + tl.dot(x, w)
+        part = tl.dot(x, w, input_precision="ieee")
+    else:
+        part = tl.dot(x, w)
+    if POST:
+        return acc + part * scale[None, :]
+    return acc + part
 
 
 @triton.jit
@@ -320,22 +364,25 @@ def small_m_linear(
     silu_cols: int = 0,
     silu_scale: float = 1.0,
     preload: bool | None = None,
+    post_scale: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
-    capturable); accumulates in float32. The configuration is `_config(N, K, dtype)` unless overridden
+    capturable); accumulates in float32. The configuration is `_config(N, K, dtype, fp8)` unless overridden
     (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
     `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` overrides
     the rows per program (16, or 32 when M > 16) for the benchmark's check that both give the same bits;
     `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark).
     `silu_cols` > 0: output columns below it are silu(y * silu_scale), rounded as `scaled_silu` rounds
     (the hyper-connections' down projection and its activation in one launch; the same bits).
-    `preload=False` loads no weight tile before the PDL wait (the same bits; for the benchmark)."""
+    `preload=False` loads no weight tile before the PDL wait (the same bits; for the benchmark).
+    `post_scale=False` runs an FP8 weight as a dequantized tile in the 16-bit configuration instead (the
+    path before POST_SCALE, kept for the benchmark's side by side)."""
     x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
-    weight, fp8 = _weight_args(weight)
+    weight, fp8 = _weight_args(weight, post_scale)
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K, (x.shape, weight.shape)
-    cfg = _config(N, K, x.dtype)
+    cfg = _config(N, K, x.dtype, fp8=fp8.get("POST_SCALE", False))
     bn = block_n or cfg.block_n
     bk = block_k or cfg.block_k
     if splits is None and (bn, bk) == (cfg.block_n, cfg.block_k):
@@ -344,6 +391,7 @@ def small_m_linear(
         s, tiles = _splits(N, K, bn, bk, want=splits)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     assert not fp8 or bk <= 256, "an FP8 tile spans at most two 128-column scale blocks"
+    assert not fp8.get("POST_SCALE") or bk == FP8_BLOCK_K, "a post-scaled FP8 tile is one scale block"
     pre = _preload(tiles) if preload is not False else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -381,7 +429,7 @@ def small_m_linear_mix(
     (weight, fp8), xn = _weight_args(weight), unit_stride(xn)
     M, K = x.shape
     N = weight.shape[0]
-    cfg = _config(N, K, x.dtype)
+    cfg = _config(N, K, x.dtype, fp8=bool(fp8))
     if N != n * hidden or cfg.splits != 1 or cfg.block_n % n or hidden % (cfg.block_n // n):
         return None
     assert xn.shape == (M, N) and weight.shape[1] == K, (x.shape, weight.shape, xn.shape)
@@ -401,14 +449,20 @@ def small_m_linear_mix(
     return u
 
 
-def _weight_args(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, dict]:
+def _weight_args(weight: torch.Tensor | Fp8Weight, post_scale: bool = True) -> tuple[torch.Tensor, dict]:
     """The weight values a kernel reads and, for FP8 weights, its scale arguments.
 
-    # NOTE: an FP8 weight runs the configuration of the activations' dtype (`_config(N, K, x.dtype)`, the
-    # one its dequantized 16-bit weight gets) and dequantizes each tile as ops/fp8.py does: rows stay
-    # invariant as that kernel's do (its numerics are a function of (N, K, dtype) alone); the bits equal the
-    # 16-bit kernel's on the dequantized weight in float32, and are close in 16-bit dtypes (ops/fp8.py)."""
+    # NOTE: an FP8 weight runs its own configuration (`_config(N, K, x.dtype, fp8=True)`): tiles of one
+    # 128 x 128 scale block's columns whose codes enter the dot unscaled (exact in 16-bit floats), each
+    # tile's float32 partial then times its columns' scales, as block-FP8 GEMMs do (DeepSeek's, vLLM's).
+    # Rows stay invariant as the 16-bit kernel's do (the numerics are a function of (N, K, dtype) alone);
+    # the results are close to the 16-bit kernel's on the dequantized weight (ops/fp8.py's reference), not
+    # its bits: the scale is applied to a sum, not to each weight. It reads half the bytes of the 16-bit
+    # kernel and does a multiply per column a tile instead of a dequantization per weight.
+    # `post_scale=False`: the earlier form (each tile dequantized as ops/fp8.py does, in the 16-bit
+    # configuration), for the benchmark."""
     if not isinstance(weight, Fp8Weight):
         return weight.contiguous(), {}
     q, scale = weight.q.contiguous(), weight.scale.contiguous()
-    return q, dict(W_FP8=True, s_ptr=scale, stride_sn=scale.stride(0), K_BLOCKS=scale.shape[1])
+    args = dict(W_FP8=True, s_ptr=scale, stride_sn=scale.stride(0), K_BLOCKS=scale.shape[1])
+    return q, args | dict(POST_SCALE=post_scale)
