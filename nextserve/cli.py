@@ -71,6 +71,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "
     "groups that circulate through the stages, each group's next token sent in as soon as it is sampled, "
     "up to this many tokens a step, so every stage works (outputs unchanged)",
+    "pipeline_prefill_chunks": "with pipeline stages: a prompt's chunks one step sends in, each passed on as "
+    "soon as a stage is done with it, so chunk i+1 runs on stage 0 while chunk i is on stage 1 (auto: one "
+    "per stage; 1: the stages take turns); outputs unchanged",
     "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
     "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "

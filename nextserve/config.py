@@ -286,6 +286,7 @@ class EngineConfig:
     pipeline_stages: int = 1  # processes the layers are split across, one device each
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
+    pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     host_state_slots: int | str = 0  # prefix images kept in host memory (0: off; auto: on if room)
     host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
@@ -352,6 +353,14 @@ class EngineConfig:
             raise ConfigError("decode_groups > 1 keeps pipeline stages busy: it needs pipeline_stages > 1")
         if self.decode_groups > 64:
             raise ConfigError(f"decode_groups must be at most 64, got {self.decode_groups!r}")
+        chunks = self.pipeline_prefill_chunks
+        if chunks != "auto":
+            if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= 64:
+                raise ConfigError(f"pipeline_prefill_chunks must be 'auto' or in 1..64, got {chunks!r}")
+            if chunks > 1 and self.pipeline_stages < 2:
+                raise ConfigError(
+                    "pipeline_prefill_chunks > 1 keeps pipeline stages busy: it needs pipeline_stages > 1"
+                )
         if self.stage_transport not in ("auto", "nccl", "host"):
             raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
         if self.device == "cpu" and self.stage_transport == "nccl":
@@ -392,6 +401,11 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda was asked for but no CUDA device is available")
         return dev
+
+    def prefill_chunks_per_step(self) -> int:
+        """How many of a prompt's chunks one step sends into the pipeline (auto: one per stage)."""
+        chunks = self.pipeline_prefill_chunks
+        return self.pipeline_stages if chunks == "auto" else chunks
 
     def stage_devices(self) -> list[torch.device]:
         """Each pipeline stage's device: pipeline_devices, else consecutive CUDA indices from --device's

@@ -100,7 +100,7 @@ class LLMEngine:
         lookahead = max(config.decode_groups, steps + 1) + 1
         self.scheduler = Scheduler(
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
-            kv_lag=lag, swapper=swapper, lookahead=lookahead,
+            kv_lag=lag, swapper=swapper, lookahead=lookahead, prefill_chunks=config.prefill_chunks_per_step(),
         )  # fmt: skip
         if stages > 1:
             self.runner = PipelineRunner(

@@ -1,6 +1,6 @@
 """Who runs next: admission under the slot and page limits, one prefill chunk per step between
-decode steps, all decoding sequences together; pages taken as sequences grow, and preemption to host
-memory when they run short."""
+decode steps (with pipeline stages, one per stage), all decoding sequences together; pages taken as
+sequences grow, and preemption to host memory when they run short."""
 
 from __future__ import annotations
 
@@ -32,12 +32,16 @@ class Scheduler:
         kv_lag: int = 0,
         swapper: Swapper | None = None,
         lookahead: int = 1,
+        prefill_chunks: int = 1,
     ) -> None:
-        """`kv_lag`: positions before a sequence's committed end that it still writes (SequenceCache.lag;
-        1 with MTP drafting). `lookahead`: positions past a decode chunk's end that the step may write (a
-        verify window's drafts, the MTP block's chain, pipeline decode rounds), reserved with it."""
+        """`prefill_chunks`: prompt chunks a step runs at most (more than one only with pipeline stages,
+        which run a step's items one after another, each passed on as soon as it is done). `kv_lag`:
+        positions before a sequence's committed end that it still writes (SequenceCache.lag; 1 with MTP
+        drafting). `lookahead`: positions past a decode chunk's end that the step may write (a verify
+        window's drafts, the MTP block's chain, pipeline decode rounds), reserved with it."""
         self.pool, self.slots, self.prefix, self.proposer, self.kv_lag = pool, slots, prefix, proposer, kv_lag
         self.prefill_chunk, self.max_pending, self.lookahead = prefill_chunk, max_pending, lookahead
+        self.prefill_chunks = prefill_chunks
         self.swapper = swapper or Swapper(pool, slots, kv_lag, max_bytes=1 << 62)
         self.margin = pool.page_size  # decode room admission reserves past the prompt
         self.waiting: deque[Sequence] = deque()
@@ -112,11 +116,7 @@ class Scheduler:
             if seq.cache is None:  # preempted while this plan was made
                 continue
             if seq.in_prefill:
-                if not plan.prefills:
-                    # NOTE: chunks lie on the grid of multiples of prefill_chunk from position 0 (C1).
-                    start = seq.num_computed
-                    end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(seq.prompt_ids))
-                    plan.prefills.append(Chunk(seq, start, end, sample=end == len(seq.prompt_ids)))
+                self._prefill_chunks(seq, plan)
                 continue
             if seq.num_computed >= seq.token_budget() - 1:
                 # NOTE: only with async scheduling: its last token is still on the device (pending) and
@@ -136,6 +136,21 @@ class Scheduler:
             if self._grow(chunk, plan, over_budget=True):
                 (plan.verifies if chunk.drafts else plan.decodes).append(chunk)
         return plan
+
+    def _prefill_chunks(self, seq: Sequence, plan: StepPlan) -> None:
+        """Add seq's next prompt chunks to the plan, up to `prefill_chunks` a step in all.
+
+        # NOTE: chunks lie on the grid of multiples of prefill_chunk from position 0 (C1). With several
+        # a step (pipeline stages: chunk i + 1 runs on stage 0 while chunk i is on stage 1, each stage
+        # running its items in order), a sequence's run of chunks stops at its first image point, since
+        # an image is the state a step leaves (engine._keep_image snapshots after the step)."""
+        start, n = seq.num_computed, len(seq.prompt_ids)
+        while len(plan.prefills) < self.prefill_chunks and start < n:
+            end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, n)
+            plan.prefills.append(Chunk(seq, start, end, sample=end == n))
+            if end in seq.image_points:
+                break
+            start = end
 
     def _grow(self, chunk: Chunk, plan: StepPlan, over_budget: bool = False) -> bool | None:
         """Reserve the pages chunk's step may write: True when they are, False when chunk's sequence was

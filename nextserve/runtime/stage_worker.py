@@ -4,7 +4,10 @@ streams passed on to the next stage (the last stage's logits to stage 0)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ from .stage_codec import wire_type
 from .stage_transport import HostTransport, NcclTransport
 
 log = logging.getLogger("nextserve.pipeline")
+TRACE_ENV = "NEXTSERVE_STAGE_TRACE"  # a directory: each stage appends when it ran each item (stage-R.jsonl)
 
 
 @wire_type
@@ -78,6 +82,8 @@ class StageWorker(ModelRunner):
         self.nH = model.cfg.hc_hidden
         self.saved: dict[int, dict[str, torch.Tensor]] = {}  # this stage's prefix-image slot states
         self.host_saved: dict[int, tuple] = {}  # its share of the images in the driver's host store
+        trace_dir = os.environ.get(TRACE_ENV)
+        self.trace = None if not trace_dir else os.path.join(trace_dir, f"stage-{channel.rank}.jsonl")
 
     def _apply(self, ops: list[tuple]) -> None:
         """Repeat the driver's cache operations on this stage's planes (stage 0 did them itself)."""
@@ -120,11 +126,14 @@ class StageWorker(ModelRunner):
         ok = bool(self.channel.recv((1,), torch.int8, r - 1)[0])
         return self.transport.recv((rows, self.nH), dtype, r - 1), ok
 
-    def _item(self, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def _item(
+        self, kind: str, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
         """Run one item through this stage (forward(x_in) -> streams) and send it on."""
         r, last = self.channel.rank, self.channel.world - 1
         x_in, ok = self._stream_in(rows, dtype)
         x = logits = None
+        t0 = time.time()
         if ok:
             try:
                 x = forward(x_in)
@@ -133,6 +142,8 @@ class StageWorker(ModelRunner):
             except Exception:  # noqa: BLE001 - that item's requests only (C2)
                 log.exception("pipeline stage %d: forward failed", r)
                 ok = False
+        if self.trace is not None:
+            self._trace(kind, rows, t0, x)
         status = torch.tensor([int(ok)], dtype=torch.int8)
         if r < last:
             self.channel.send(status, r + 1)
@@ -142,6 +153,14 @@ class StageWorker(ModelRunner):
         if sample_rows is not None:
             V = self.model.cfg.vocab_size
             self.transport.send(logits if ok else self._zeros(len(sample_rows), V, dtype), 0)
+
+    def _trace(self, kind: str, rows: int, t0: float, x: torch.Tensor | None) -> None:
+        """Append when this stage computed an item (wall clock, comparable across the stages of one
+        machine; a GPU stage waits for its work first, so only set TRACE_ENV to look)."""
+        if x is not None and x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        with open(self.trace, "a") as f:
+            f.write(json.dumps({"kind": kind, "rows": rows, "start": t0, "end": time.time()}) + "\n")
 
     def _zeros(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(rows, cols, dtype=dtype, device=self.device)
@@ -173,18 +192,17 @@ class StageWorker(ModelRunner):
         if step.windows is not None:
             _, W, B = step.windows.inputs.shape
             rows = torch.arange(W * B, device=dev)
-            self._item(lambda x, w=step.windows: self._windows(w, x), W * B, rows, dtype)
+            self._item("windows", lambda x, w=step.windows: self._windows(w, x), W * B, rows, dtype)
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
             n = len(w.ids)
             batch = self._chunk(w.slot, w.table, w.start, w.ids)
             sample_rows = torch.tensor([n - 1], device=dev) if w.sample else None
-            self._item(lambda x, b=batch: self.model(b, x), n, sample_rows, dtype)
+            self._item("prefill", lambda x, b=batch: self.model(b, x), n, sample_rows, dtype)
         for d in step.decodes:
-            self._item(
-                lambda x, d=d: self._decode(d, x), len(d.ids), torch.arange(len(d.ids), device=dev), dtype
-            )
+            rows = torch.arange(len(d.ids), device=dev)
+            self._item("decode", lambda x, d=d: self._decode(d, x), len(d.ids), rows, dtype)
 
     def capture_graphs(self, max_pages: int, max_rows: int, max_drafts: int = 0) -> None:
         """This stage's decode steps and verify windows (up to max_drafts drafts) as CUDA graphs per

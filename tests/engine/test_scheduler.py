@@ -230,3 +230,39 @@ def test_abort_everything_at_every_stage(oracle_llm) -> None:
     assert full(llm) and eng.sequences == {}
     (out,) = llm.generate([prompt(5, 1)], SamplingParams(max_tokens=2, **GREEDY))
     assert len(out.token_ids) == 2
+
+
+def test_several_prompt_chunks_a_step_stop_at_image_points(oracle_llm) -> None:
+    """With pipeline stages a step sends up to `prefill_chunks` prompt chunks in (scheduler only: the
+    stage tests run them): consecutive grid chunks of one prompt, then the next prompt's, and a prompt's
+    run stops at its first image point (an image is the state the step leaves)."""
+    llm = oracle_llm(prefill_chunk=16, max_concurrency=2, prefix_cache_images=4)
+    eng = llm.engine
+    sched = eng.scheduler
+    sched.prefill_chunks = 3
+    a = eng.add_request(prompt(100, 3), SamplingParams(max_tokens=2, **GREEDY))
+    b = eng.add_request(prompt(20, 4), SamplingParams(max_tokens=2, **GREEDY))
+    seq_a, seq_b = eng.sequences[a], eng.sequences[b]
+    assert 96 in seq_a.image_points and 80 not in seq_a.image_points
+    plan = sched.schedule()
+    assert [(ch.seq, ch.start, ch.end, ch.sample) for ch in plan.prefills] == [
+        (seq_a, 0, 16, False),
+        (seq_a, 16, 32, False),
+        (seq_a, 32, 48, False),
+    ]
+    seq_a.num_computed = 48  # as the step's update leaves it
+    plan = sched.schedule()
+    assert [(ch.seq, ch.start, ch.end) for ch in plan.prefills] == [
+        (seq_a, 48, 64),
+        (seq_a, 64, 80),
+        (seq_a, 80, 96),
+    ]
+    seq_a.num_computed = 96  # its last boundary, an image point: the run above ended there
+    plan = sched.schedule()
+    # A ends; B's run stops at 16, its image point, though a third chunk would fit the step
+    assert [(ch.seq, ch.start, ch.end, ch.sample) for ch in plan.prefills] == [
+        (seq_a, 96, 100, True),
+        (seq_b, 0, 16, False),
+    ]
+    for rid in (a, b):
+        eng.abort(rid)

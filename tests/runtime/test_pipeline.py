@@ -3,6 +3,8 @@ for bit (C1): tokens, logprobs and top logprobs, greedy and seeded, with chunked
 decode; and the flags that pipelines do not take (yet) are clear errors. On GPUs:
 tests/gpu/test_pipeline_cuda.py."""
 
+import json
+
 import pytest
 import torch
 from pool_check import assert_pool_full
@@ -12,6 +14,7 @@ from nextserve.cli import build_parser, engine_config_from_args
 from nextserve.config import ConfigError, EngineConfig
 from nextserve.runtime.pipeline import stage_layers
 from nextserve.runtime.stage_transport import NcclTransport
+from nextserve.runtime.stage_worker import TRACE_ENV
 
 FLAGS = dict(device="cpu", prefill_chunk=16, page_size=16, kv_capacity=4096, max_concurrency=3)
 PARAMS = [
@@ -91,6 +94,13 @@ def test_cpu_stages_refuse_gpu_transport_when_auto_picks_the_cpu(small_model_dir
         ({"stage_transport": ""}, "stage_transport must be"),
         ({"stage_transport": None}, "stage_transport must be"),
         ({"stage_transport": "nccl", "device": "cpu"}, "nccl needs CUDA"),
+        ({"pipeline_prefill_chunks": 0}, "pipeline_prefill_chunks must be"),
+        ({"pipeline_prefill_chunks": 65}, "pipeline_prefill_chunks must be"),
+        ({"pipeline_prefill_chunks": -2}, "pipeline_prefill_chunks must be"),
+        ({"pipeline_prefill_chunks": "many"}, "pipeline_prefill_chunks must be"),
+        ({"pipeline_prefill_chunks": True}, "pipeline_prefill_chunks must be"),
+        ({"pipeline_prefill_chunks": 2.0}, "pipeline_prefill_chunks must be"),
+        ({"pipeline_prefill_chunks": 2, "pipeline_stages": 1}, "needs pipeline_stages > 1"),
         ({"pipeline_devices": ""}, "comma-separated"),
         ({"pipeline_devices": "a,b"}, "comma-separated"),
         ({"pipeline_devices": "0,,1"}, "comma-separated"),
@@ -136,9 +146,43 @@ def test_stage_flags_on_the_command_line() -> None:
     argv = ["serve", "--pipeline-stages", "2", "--pipeline-devices", "1,0", "--stage-transport", "host"]
     c = engine_config_from_args(build_parser().parse_args(argv))
     assert (c.pipeline_stages, c.pipeline_devices, c.stage_transport) == (2, "1,0", "host")
+    assert c.pipeline_prefill_chunks == "auto" and c.prefill_chunks_per_step() == 2
+    c = engine_config_from_args(build_parser().parse_args([*argv, "--pipeline-prefill-chunks", "5"]))
+    assert c.prefill_chunks_per_step() == 5
+    assert EngineConfig(device="cpu", pipeline_prefill_chunks=1).prefill_chunks_per_step() == 1
     argv = ["serve", "--device", "cpu", "--pipeline-stages", "2", "--stage-transport", "nccl"]
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         engine_config_from_args(build_parser().parse_args(argv))
+
+
+def _items(trace_dir, rank: int) -> list[dict]:
+    path = trace_dir / f"stage-{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if '"prefill"' in line]
+
+
+@pytest.mark.parametrize("chunks", ["auto", 1])
+def test_a_prompts_chunks_run_on_two_stages_at_once(small_model_dir, tmp_path, monkeypatch, chunks) -> None:
+    """The stages' own trace (TRACE_ENV: when each stage computed each item) of one 160-token prompt in
+    chunks of 16: with chunks in flight (auto: one per stage) stage 0 computes a chunk while stage 1
+    computes the one before, and the outputs are the single device's; taking turns (1), never."""
+    prompt = _prompts()[2] * 3
+    assert len(prompt) >= 160
+    prompt = prompt[:160]
+    params = PARAMS[0]
+    want = LLM(str(small_model_dir), **FLAGS).generate([prompt], params)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    split = LLM(str(small_model_dir), pipeline_stages=2, pipeline_prefill_chunks=chunks, **FLAGS)
+    try:
+        _same(want, split.generate([prompt], params))
+    finally:
+        split.close()
+    first, second = _items(tmp_path, 0), _items(tmp_path, 1)
+    assert len(first) == len(second) == 10
+    both = sum(max(0.0, min(a["end"], b["end"]) - max(a["start"], b["start"])) for a in first for b in second)
+    if chunks == "auto":
+        assert both > 0, "no time with both stages computing a prefill chunk"
+    else:
+        assert both == 0
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
