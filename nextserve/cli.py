@@ -434,11 +434,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime.stage_launch import torchrun_rank
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    run = torchrun_rank()
+    if run is not None and args.command in ("serve", "generate"):
+        # NOTE: under torchrun every rank runs this same command: rank 0 serves, the others are its stages
+        stages = getattr(args, "pipeline_stages", 1)
+        if stages != run[1]:
+            print(
+                f"nextserve {args.command}: under torchrun each rank runs one pipeline stage: "
+                f"--pipeline-stages is {stages} with {run[1]} ranks (give --pipeline-stages {run[1]})",
+                file=sys.stderr,
+            )
+            return 2
+        if run[0] > 0:
+            from .runtime.stage_main import torchrun_stage
+
+            return torchrun_stage()
     sub_parser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     return args.func(args, sub_parser)
 

@@ -20,6 +20,7 @@ from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
+from ..runtime.stage_launch import torchrun_rank
 from .memory_plan import MemoryPlan, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
@@ -114,7 +115,8 @@ def check_pipeline(
             )
     elif device.type == "cuda":
         count = torch.cuda.device_count()
-        if any(d.index >= count for d in devices):
+        # (under torchrun each rank takes its own machine's GPU of its local rank: stage_launch.py)
+        if torchrun_rank() is None and any(d.index >= count for d in devices):
             raise ConfigError(
                 f"pipeline stages on {', '.join(map(str, devices))}, but this machine has {count} "
                 "CUDA devices (see --pipeline-devices)"

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,7 +34,8 @@ from ..model.shapes import expected_shapes
 from ..step_plan import Chunk, StepPlan
 from .decode_rounds import DecodeRounds, DecodeRow
 from .runner import ChunkResult, _describe
-from .stage_channel import StageChannel, free_port
+from .stage_channel import free_port
+from .stage_launch import StageSetup, start_stages
 from .stage_mirror import StageMirror
 from .stage_transport import make_transport
 from .stage_worker import DecodeWork, PrefillWork, StageStep, StageWorker, WindowsWork, on_device
@@ -54,30 +53,6 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     for s in range(stages):
         bounds.append(bounds[-1] + size + (s < extra))
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-@dataclass(frozen=True)
-class StageSetup:
-    """What a stage process needs to build itself (picklable)."""
-
-    model_dir: str
-    cfg: ModelConfig
-    layers: range
-    dtype: torch.dtype
-    num_slots: int
-    num_pages: int
-    page_size: int
-    rank: int
-    world: int
-    port: int
-    threads: int  # the driver's torch threads: a CPU GEMM's reduction order may follow the thread count
-    device: str  # this stage's: "cpu" or "cuda:N"
-    transport: str  # "nccl" or "host" (stage_transport.py)
-    pdl: bool
-    max_context: int  # the engine's: the positions a stage's rotary table covers
-    cuda_graph: bool  # decode steps and verify windows replay CUDA graphs (on a CUDA device)
-    window_steps: int  # keep slots per state slot: the speculative tokens per window (0: no speculation)
-    quantization: str  # EngineConfig.quantization
 
 
 def build_stage(
@@ -152,27 +127,17 @@ class PipelineRunner(StageWorker):
         self, config: EngineConfig, model: FlashNext, pool: KVPool, slots: StateSlots, stages: list[range],
         devices: list[torch.device], max_context: int,
     ) -> None:  # fmt: skip
-        port = free_port()
         cfg, dtype, kind = model.cfg, pool.k.dtype, config.stage_transport_kind()
-        self.procs: list[subprocess.Popen] = []
-        # NOTE: `python -m` children, not multiprocessing's spawn, which would re-run the user's main
-        # module in every stage.
-        for rank in range(1, len(stages)):
-            setup = StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
-                               pool.page_size, rank, len(stages), port, torch.get_num_threads(),
-                               str(devices[rank]), kind, config.pdl, max_context,
-                               config.cuda_graph, slots.window_steps, config.quantization)  # fmt: skip
-            # NOTE: a session of its own: a terminal's Ctrl-C or a supervisor's signal to the process
-            # group reaches the driver only, which then stops the stages in order (`close`).
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "nextserve.runtime.stage_main"], stdin=subprocess.PIPE,
-                start_new_session=True,
-            )  # fmt: skip
-            proc.stdin.write(pickle.dumps(setup))  # NOTE: a pipe only this process writes: safe to pickle
-            proc.stdin.close()
-            self.procs.append(proc)
+        port = free_port()
+        setups = [
+            StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
+                       pool.page_size, rank, len(stages), port, torch.get_num_threads(), str(devices[rank]),
+                       kind, config.pdl, max_context, config.cuda_graph, slots.window_steps,
+                       config.quantization)
+            for rank in range(1, len(stages))
+        ]  # fmt: skip
+        channel, self.procs = start_stages(setups, port)
         try:
-            channel = StageChannel(0, len(stages), port)
             with on_device(devices[0]):
                 transport = make_transport(kind, channel, devices[0])
         except BaseException:  # no stage is left waiting for a driver that is not coming
@@ -186,6 +151,7 @@ class PipelineRunner(StageWorker):
         self.mirror = StageMirror(pool, slots)
         self.decode_groups = config.decode_groups
         self.failure: str | None = None  # why the pipeline cannot run (a stage died), for good
+        self.closed = False
         self.channel.broadcast(None)  # every stage is built
         self.dtype = dtype
 
@@ -294,21 +260,27 @@ class PipelineRunner(StageWorker):
 
     def close(self) -> None:
         """Stop the stage processes (idempotent); after a failure, the ones still alive are killed (they
-        wait on a pipeline that will not move again)."""
-        if self.procs:
-            try:
-                if self.failure is None:
-                    self.channel.send_step(None)  # not waited for: a stage already gone never takes it
-            except RuntimeError as exc:  # a stage already gone: stop the others anyway
-                log.warning("pipeline stages did not all take the stop: %s", exc)
-            finally:
-                for proc in self.procs:
-                    try:
-                        proc.wait(timeout=30 if self.failure is None else 0.5)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                self.procs = []
-                self.channel.pending = []
-                with on_device(self.device):
-                    self.transport.close()
+        wait on a pipeline that will not move again). torchrun's ranks (no processes of ours) each answer
+        that they took the stop, so the driver does not tear the store down under them."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.failure is None:
+                self.channel.send_step(None)  # not waited for: a stage already gone never takes it
+                if not self.procs:
+                    for rank in range(1, self.channel.world):
+                        self.channel.recv((1,), torch.int8, rank)
+        except RuntimeError as exc:  # a stage already gone: stop the others anyway
+            log.warning("pipeline stages did not all take the stop: %s", exc)
+        finally:
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=30 if self.failure is None else 0.5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.procs = []
+            self.channel.pending = []
+            with on_device(self.device):
+                self.transport.close()

@@ -27,9 +27,12 @@ def free_port() -> int:
 class StageChannel:
     """Point-to-point and broadcast traffic of one stage over its own Gloo group (no global state)."""
 
-    def __init__(self, rank: int, world: int, port: int) -> None:
+    def __init__(self, rank: int, world: int, port: int = 0, store: dist.Store | None = None) -> None:
+        """Over a store of stage 0's on the local `port`, or over `store` (torchrun's: stage_launch.py)."""
         self.rank, self.world = rank, world
-        self.store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+        self.store = store
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, world, TIMEOUT)
         self._from_stage0 = dist.BroadcastOptions()
         self._from_stage0.rootRank = 0

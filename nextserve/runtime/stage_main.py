@@ -1,6 +1,7 @@
 """A pipeline stage process (rank >= 1): `python -m nextserve.runtime.stage_main`, its StageSetup pickled
-on stdin (runtime/pipeline.py starts it). It builds its layers on its device, then runs the steps stage 0
-sends until a None step."""
+on stdin (runtime/stage_launch.py starts it), or a torchrun rank >= 1, its setup sent by rank 0
+(`torchrun_stage`). It builds its layers on its device, then runs the steps stage 0 sends until a None
+step."""
 
 import os
 import pickle
@@ -10,8 +11,9 @@ import time
 
 import torch
 
-from .pipeline import StageSetup, build_stage
+from .pipeline import build_stage
 from .stage_channel import StageChannel
+from .stage_launch import RankSetup, StageSetup, rendezvous_channel, torchrun_rank
 from .stage_transport import make_transport
 from .stage_worker import StageWorker
 
@@ -28,13 +30,15 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="nextserve-stage-watch").start()
 
 
-def stage_main(setup: StageSetup) -> None:
+def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
     torch.set_num_threads(setup.threads)  # the driver's, so its layers compute as in one process (C1)
     _exit_with_parent()
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches, current streams and NCCL follow it
-    channel = StageChannel(setup.rank, setup.world, setup.port)
+    torchrun = channel is not None
+    if channel is None:
+        channel = StageChannel(setup.rank, setup.world, setup.port)
     model, pool, slots = build_stage(
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
         setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,
@@ -55,7 +59,24 @@ def stage_main(setup: StageSetup) -> None:
         if step is None:
             break
         worker.run(step, setup.dtype)
+    if torchrun:  # the driver waits for this before it ends (and with it, maybe, the store)
+        channel.send(torch.ones(1, dtype=torch.int8), 0)
+        channel.flush()
     transport.close()
+
+
+def torchrun_stage() -> int:
+    """This torchrun rank's stage (rank >= 1): its setup from rank 0, then the steps until the stop."""
+    run = torchrun_rank()
+    assert run is not None and run[0] > 0, "torchrun_stage runs on torchrun's ranks >= 1"
+    rank, world, local_rank = run
+    channel = rendezvous_channel(rank, world)
+    setups = channel.broadcast(None)
+    if not isinstance(setups, list) or len(setups) != world or not isinstance(setups[rank], RankSetup):
+        print(f"nextserve stage {rank}: rank 0 sent no stage setup for {world} ranks", file=sys.stderr)
+        return 1
+    stage_main(setups[rank].stage_setup(rank, world, local_rank), channel)
+    return 0
 
 
 if __name__ == "__main__":
