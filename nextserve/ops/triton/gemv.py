@@ -34,7 +34,8 @@
 # reach TARGET_PROGRAMS (at most one per BLOCK_K tile), unless the loop is shorter than
 # MIN_SPLIT_K_TILES tiles, not worth the second launch. BLOCK_K keeps each weight tile at 8 KiB, with
 # num_stages - 1 tiles in flight per program. benchmarks/bench_small_m_gemm.py --sweep measures the
-# alternatives.
+# alternatives. An FP8 weight has its own rule (`_config(..., fp8=True)`): tiles of one 128-column scale
+# block, up to 8 KiB of FP8 codes; benchmarks/bench_fp8_gemv.py --sweep measures those.
 """
 
 from __future__ import annotations
