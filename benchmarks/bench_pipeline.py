@@ -27,23 +27,28 @@ from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.config import DEFAULT_MODEL  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stage_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, device and stage flags the pipeline benchmarks share."""
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="--decode-groups values")
     ap.add_argument("--pipeline-devices", default=None)
     ap.add_argument("--stage-transport", default="auto")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (every stage runs the driver's)")
+    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    stage_arguments(ap)
+    ap.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="--decode-groups values")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (every stage runs the driver's)")
     ap.add_argument(
         "--eager-too", action="store_true", help="also each stage mode with --no-cuda-graph (GPU)"
     )
-    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)

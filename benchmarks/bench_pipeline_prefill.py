@@ -23,21 +23,18 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_pipeline import stage_arguments  # noqa: E402
 
 from nextserve import LLM, SamplingParams  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
-from nextserve.config import DEFAULT_MODEL  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--pipeline-devices", default=None)
-    ap.add_argument("--stage-transport", default="auto")
+    stage_arguments(ap)
     ap.add_argument("--length", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument(
@@ -47,8 +44,6 @@ def main() -> None:
         help="--pipeline-prefill-chunks values to compare (the first is the baseline)",
     )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (every stage runs the driver's)")
-    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)

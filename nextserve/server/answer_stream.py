@@ -4,12 +4,22 @@ and tool-call events. The Messages and Responses streams share it; each writes i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from ..engine.outputs import RequestOutput
 from .reasoning import ReasoningSplitter
 from .streaming import TextStream
 from .tool_calls import ContentDelta, Event, ToolCallParser
+
+
+class StreamWriter(Protocol):
+    """A dialect's writer of stream events (its open block or item, closed when the next kind starts)."""
+
+    def thinking(self, text: str) -> list[str]: ...
+
+    def event(self, ev: Event) -> list[str]: ...
+
+    def close(self) -> list[str]: ...
 
 
 class AnswerStream:
@@ -27,6 +37,15 @@ class AnswerStream:
         if self.parser is None:
             return thought, [ContentDelta(delta)] if delta else []
         return thought, self.parser.feed(delta) + (self.parser.finish() if out.finished else [])
+
+    def write(self, out: RequestOutput, writer: StreamWriter) -> list[str]:
+        """The stream events `out` adds, as `writer` writes them: its reasoning, its answer's events, and
+        on the last output the closing of what is open."""
+        thought, evs = self.feed(out)
+        texts = writer.thinking(thought)
+        for ev in evs:
+            texts += writer.event(ev)
+        return texts + (writer.close() if out.finished else [])
 
     @property
     def called(self) -> bool:

@@ -158,15 +158,9 @@ class _Reply:
                         "content": [], "stop_reason": None, "stop_sequence": None,
                         "usage": self.usage(out, output_tokens=0),
                     }})  # fmt: skip
-                thought, evs = answer.feed(out)
-                for text in blocks.thinking(thought):
+                for text in answer.write(out, blocks):
                     yield text
-                for ev in evs:
-                    for text in blocks.event(ev):
-                        yield text
                 if out.finished:
-                    for text in blocks.close():
-                        yield text
                     reason, seq = self.stop(out, answer.called)
                     gen.tracker.finish(out.finish_reason)
                     yield _event("message_delta", {

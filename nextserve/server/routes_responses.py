@@ -151,15 +151,9 @@ class _Reply:
                     yield seq.event("response.failed", response=self.body("failed", items.done, None,
                                                                             error=error))  # fmt: skip
                     return
-                thought, evs = answer.feed(out)
-                for text in items.reasoning(thought):
+                for text in answer.write(out, items):
                     yield text
-                for ev in evs:
-                    for text in items.event(ev):
-                        yield text
                 if out.finished:
-                    for text in items.close():
-                        yield text
                     gen.tracker.finish(out.finish_reason)
                     body = self.finish(out, items.done)
                     kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
@@ -224,7 +218,7 @@ class _Items:
         self.open = None
         return out
 
-    def reasoning(self, text: str) -> list[str]:
+    def thinking(self, text: str) -> list[str]:
         if not text:
             return []
         out = [] if self._is("reasoning") else self._added(_reasoning_item(R.new_id("rs"), "", "in_progress"))

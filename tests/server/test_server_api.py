@@ -8,22 +8,11 @@ import re
 import jsonschema
 import pytest
 from live_server import MODEL_NAME, assert_pool_full
+from tool_cases import CHAT_WEATHER
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
-            "required": ["city", "metric"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = CHAT_WEATHER
 ADD = {
     "type": "function",
     "function": {

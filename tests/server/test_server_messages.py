@@ -10,27 +10,12 @@ import anthropic
 import httpx
 import pytest
 from live_server import MODEL_NAME, assert_pool_full, live_server
+from tool_cases import CHAT_WEATHER, MESSAGES_WEATHER
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "Weather of a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
-        "required": ["city", "metric"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = MESSAGES_WEATHER
 USER = [{"role": "user", "content": "Say something about the sea."}]
 GREEDY = {"temperature": 0}  # (the client's create() takes no sampling arguments: sent as extra body)
-WEATHER_FN = {
-    "type": "function",
-    "function": {
-        "name": WEATHER["name"],
-        "description": WEATHER["description"],
-        "parameters": WEATHER["input_schema"],
-    },
-}
+WEATHER_FN = CHAT_WEATHER
 
 
 def client(srv, key: str = "none") -> anthropic.Anthropic:

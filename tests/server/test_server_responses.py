@@ -14,18 +14,9 @@ import openai
 import pytest
 from live_server import MODEL_NAME, assert_pool_full, live_server
 from test_reasoning import THINKING
+from tool_cases import CHAT_WEATHER, MESSAGES_WEATHER, RESPONSES_WEATHER
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather of a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
-        "required": ["city", "metric"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = RESPONSES_WEATHER
 GREEDY = {"temperature": 0}
 ASK = "Say something about the sea."
 
@@ -64,15 +55,9 @@ def test_tool_round_trip_with_previous_response_id(server) -> None:
     """A required call whose arguments fit the schema; its output sent back by previous_response_id or as
     the whole conversation in input items renders the same prompt; the call streams as argument deltas."""
     c = server.client()
-    first = c.responses.create(
-        model=MODEL_NAME,
-        input="Weather in Oslo?",
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=256,
-        extra_body=GREEDY,
-    )
+    ask = dict(model=MODEL_NAME, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+               parallel_tool_calls=False, max_output_tokens=256, extra_body=GREEDY)  # fmt: skip
+    first = c.responses.create(**ask)
     (call,) = [i for i in first.output if i.type == "function_call"]
     args = json.loads(call.arguments)
     assert (
@@ -101,15 +86,7 @@ def test_tool_round_trip_with_previous_response_id(server) -> None:
         chained == c.responses.input_tokens.count(model=MODEL_NAME, input=whole, tools=[WEATHER]).input_tokens
     )
     assert second.usage.input_tokens == chained and second.usage.input_tokens_details.cached_tokens >= 0
-    with c.responses.stream(
-        model=MODEL_NAME,
-        input="Weather in Oslo?",
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=256,
-        extra_body=GREEDY,
-    ) as s:
+    with c.responses.stream(**ask) as s:
         kinds = [e.type for e in s]
         streamed = s.get_final_response()
     assert (
@@ -198,11 +175,10 @@ def test_one_conversation_gives_the_same_prompt_ids_through_every_dialect(server
         engine, "add_request", lambda ids, *a, **k: seen.append(list(ids)) or add(ids, *a, **k)
     )
     system, args = "You are a careful coding agent.", json.dumps({"city": "Oslo", "metric": True})
-    fn = {"name": WEATHER["name"], "description": WEATHER["description"], "parameters": WEATHER["parameters"]}
     server.client().chat.completions.create(
         model=MODEL_NAME,
         max_tokens=1,
-        tools=[{"type": "function", "function": fn}],
+        tools=[CHAT_WEATHER],
         messages=[
             {"role": "system", "content": system},
             {"role": "user", "content": "What is the weather in Oslo?"},
@@ -226,7 +202,7 @@ def test_one_conversation_gives_the_same_prompt_ids_through_every_dialect(server
         model=MODEL_NAME,
         max_tokens=1,
         system=system,
-        tools=[{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}],
+        tools=[MESSAGES_WEATHER],
         messages=[
             {"role": "user", "content": "What is the weather in Oslo?"},
             {

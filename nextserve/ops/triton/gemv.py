@@ -190,25 +190,21 @@ def _small_m_gemm(
     # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
     # x is fetched for them. They enter the dot exactly as the loop's tiles do (same tiles, same order).
     POST: tl.constexpr = W_FP8 and POST_SCALE
+    # (a post-scaled FP8 split preloads nothing: the host launches it with PRELOAD = 0)
     if PRELOAD > 0:
-        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST)
-        c0 = _tile_scale(s_rows, k_lo, col_ok, POST)
+        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
     if PRELOAD > 1:
-        k1 = k_lo + BLOCK_K
-        w1 = _weight_tile(w_ptrs + BLOCK_K, mask_n, k1, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST)
-        c1 = _tile_scale(s_rows, k1, col_ok, POST)
+        w1 = _weight_tile(
+            w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     if PRELOAD > 2:
-        k2 = k_lo + 2 * BLOCK_K
         w2 = _weight_tile(
-            w_ptrs + 2 * BLOCK_K, mask_n, k2, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST
+            w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
         )
-        c2 = _tile_scale(s_rows, k2, col_ok, POST)
     if PRELOAD > 3:
-        k3 = k_lo + 3 * BLOCK_K
         w3 = _weight_tile(
-            w_ptrs + 3 * BLOCK_K, mask_n, k3, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST
+            w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
         )
-        c3 = _tile_scale(s_rows, k3, col_ok, POST)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     pdl_start(PDL)
     if MIX_N > 0:  # issued before the K loop, used after it
@@ -217,13 +213,13 @@ def _small_m_gemm(
         )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRELOAD > 0:
-        acc = _dot_tile(acc, x_ptrs, w0, mask_m, k_lo + rk, k_hi, IEEE, c0, POST)
+        acc = _dot_tile(acc, x_ptrs, w0, mask_m, k_lo + rk, k_hi, IEEE)
     if PRELOAD > 1:
-        acc = _dot_tile(acc, x_ptrs + BLOCK_K, w1, mask_m, k1 + rk, k_hi, IEEE, c1, POST)
+        acc = _dot_tile(acc, x_ptrs + BLOCK_K, w1, mask_m, k_lo + BLOCK_K + rk, k_hi, IEEE)
     if PRELOAD > 2:
-        acc = _dot_tile(acc, x_ptrs + 2 * BLOCK_K, w2, mask_m, k2 + rk, k_hi, IEEE, c2, POST)
+        acc = _dot_tile(acc, x_ptrs + 2 * BLOCK_K, w2, mask_m, k_lo + 2 * BLOCK_K + rk, k_hi, IEEE)
     if PRELOAD > 3:
-        acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k3 + rk, k_hi, IEEE, c3, POST)
+        acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k_lo + 3 * BLOCK_K + rk, k_hi, IEEE)
     x_ptrs += PRELOAD * BLOCK_K
     w_ptrs += PRELOAD * BLOCK_K
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
