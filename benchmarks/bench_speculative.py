@@ -4,6 +4,8 @@
 checked equal to off's (C1).
 
     python benchmarks/bench_speculative.py                       # default model, CPU, mtp K = 1..4
+    python benchmarks/bench_speculative.py --stages 2 --device cuda --dtype bfloat16 \
+        --pipeline-devices 0,0 --stage-transport host --widths 3  # also each mode through two stages
 
 Prints one JSON object: revision, hardware, command, settings, and per mode the wall seconds of each
 round (prefill + decode of one request), their median, tokens/s at the median, the ratio to off, and the
@@ -42,35 +44,10 @@ def main(argv):
 '''
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--method", default="mtp", choices=["mtp", "ngram"])
-    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4], help="--speculative-tokens values")
-    ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per request")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt-file", default=None, help="a text file to use as the prompt instead")
-    ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    prompt = Path(a.prompt_file).read_text() if a.prompt_file else PROMPT
-    flags = dict(
-        device=a.device, dtype=a.dtype, prefill_chunk=a.prefill_chunk, kv_capacity=4096, max_concurrency=1
-    )
-    modes = {"off": LLM(a.model, **flags)}
-    for k in a.widths:
-        modes[f"{a.method}-k{k}"] = LLM(a.model, speculative_method=a.method, speculative_tokens=k, **flags)
-    params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
-    for llm in modes.values():  # warm-up (allocations, kernels)
-        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    walls: dict[str, list[float]] = {m: [] for m in modes}
-    spec: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
-    tokens: dict[str, list[int]] = {}
+def _rounds(
+    a, modes: dict, prompt: str, params: SamplingParams, walls: dict, spec: dict, tokens: dict
+) -> None:
+    """a.rounds rounds, every mode once a round (one request each): walls, drafts and tokens recorded."""
     for _ in range(a.rounds):
         for name, llm in modes.items():
             before = llm.stats()
@@ -86,6 +63,55 @@ def main() -> None:
             )
             tokens.setdefault(name, out.token_ids)
             assert out.token_ids == tokens[name], f"{name}: tokens changed between rounds"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--method", default="mtp", choices=["mtp", "ngram"])
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4], help="--speculative-tokens values")
+    ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-file", default=None, help="a text file to use as the prompt instead")
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
+    ap.add_argument("--stages", type=int, default=1, help="> 1: every mode also through this many stages")
+    ap.add_argument("--pipeline-devices", default=None)
+    ap.add_argument("--stage-transport", default="auto")
+    ap.add_argument("--head-embedding", default="device", help="the stages' MTP embeddings: device or host")
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    prompt = Path(a.prompt_file).read_text() if a.prompt_file else PROMPT
+    flags = dict(
+        device=a.device, dtype=a.dtype, prefill_chunk=a.prefill_chunk, kv_capacity=4096, max_concurrency=1,
+        cuda_graph=not a.no_cuda_graph,
+    )  # fmt: skip
+    stage_flags = dict(
+        pipeline_stages=a.stages, pipeline_devices=a.pipeline_devices, stage_transport=a.stage_transport
+    )
+    specs = {"off": {}} | {f"{a.method}-k{k}": dict(speculative_method=a.method, speculative_tokens=k)
+                           for k in a.widths}  # fmt: skip
+    modes = {name: LLM(a.model, **flags, **spec) for name, spec in specs.items()}
+    if a.stages > 1:
+        for name, spec in specs.items():
+            heads = {"head_embedding": a.head_embedding} if spec.get("speculative_method") == "mtp" else {}
+            modes[f"{a.stages} stages, {name}"] = LLM(a.model, **flags, **spec, **stage_flags, **heads)
+    params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
+    for llm in modes.values():  # warm-up (allocations, kernels)
+        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    spec: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
+    tokens: dict[str, list[int]] = {}
+    try:
+        _rounds(a, modes, prompt, params, walls, spec, tokens)
+    finally:
+        for llm in modes.values():
+            llm.close()
     off_median = statistics.median(walls["off"])
     figures = {}
     for name in modes:
@@ -100,6 +126,9 @@ def main() -> None:
             "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "tokens_equal_off": tokens[name] == tokens["off"],
+            "speedup_vs_same_stages_off": round(
+                statistics.median(walls[name.replace(name.split(", ")[-1], "off")]) / median, 3
+            ),
         }
     print(
         json.dumps(

@@ -64,8 +64,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "checked by one verify window (outputs unchanged)",
     "speculative_tokens": "most draft tokens per verify window (1..32)",
     "pipeline_stages": "split the layers into this many contiguous ranges, one process each (on CUDA, one "
-    "GPU each), activations passed stage to stage bit for bit (decode runs eagerly in stages; not with "
-    "mtp speculation yet)",
+    "GPU each), activations passed stage to stage bit for bit (with mtp speculation the MTP block runs on "
+    "the last stage)",
     "pipeline_devices": "CUDA device indices of the stages, comma-separated, one per stage (e.g. 1,0); "
     "default: consecutive from --device's index (cuda: 0,1,...)",
     "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "
@@ -74,6 +74,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "pipeline_prefill_chunks": "with pipeline stages: a prompt's chunks one step sends in, each passed on as "
     "soon as a stage is done with it, so chunk i+1 runs on stage 0 while chunk i is on stage 1 (auto: one "
     "per stage; 1: the stages take turns); outputs unchanged",
+    "head_embedding": "with pipeline stages and mtp speculation: where the last stage's MTP block reads the "
+    "token embeddings (stage 0 holds the model's table): device, a second copy in the last stage's GPU "
+    "memory; host, one pinned host copy read over the bus by a kernel (zero-copy), saving that GPU the "
+    "table (vocab x hidden)",
     "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
     "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "

@@ -288,6 +288,7 @@ class EngineConfig:
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
+    head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
     host_state_slots: int | str = 0  # prefix images kept in host memory (0: off; auto: on if room)
     host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
@@ -363,6 +364,14 @@ class EngineConfig:
                 )
         if self.stage_transport not in ("auto", "nccl", "host"):
             raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
+        if self.head_embedding not in ("device", "host"):
+            raise ConfigError(f"head_embedding must be device or host, got {self.head_embedding!r}")
+        if self.head_embedding == "host" and (self.pipeline_stages < 2 or self.speculative_method != "mtp"):
+            raise ConfigError(
+                "head_embedding host is where the last pipeline stage's MTP block reads its token "
+                "embeddings: it needs pipeline_stages > 1 and speculative_method mtp (one process reads "
+                "the model's own table)"
+            )
         if self.device == "cpu" and self.stage_transport == "nccl":
             raise ConfigError(
                 "stage_transport nccl needs CUDA devices; CPU stages pass activations over Gloo (host)"

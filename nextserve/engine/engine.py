@@ -94,7 +94,8 @@ class LLMEngine:
         self.prefix = build_prefix(config, self.pool, images)
         proposer = make_proposer(config)
         self.spec_drafted = self.spec_accepted = 0
-        lag = int(mtp is not None)  # the MTP row of a sequence's last committed token trails it
+        # the MTP row of a sequence's last committed token trails it (in one process or on the last stage)
+        lag = int(config.speculative_method == "mtp")
         host_store = self.prefix.host if self.prefix is not None else None
         swapper = Swapper(self.pool, self.slots, lag, config.host_kv_mib * 2**20, host_store)
         lookahead = max(config.decode_groups, steps + 1) + 1

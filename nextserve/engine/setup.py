@@ -13,7 +13,7 @@ from ..cache.prefix import PrefixCache
 from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import load_module, meta_device
+from ..model.loader import check_readable, load_module, meta_device
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
 from ..runtime.graph_runner import GraphRunner
@@ -102,8 +102,8 @@ def check_pipeline(
     c, L = config, cfg.num_hidden_layers
     if model is not None:
         raise ConfigError("pipeline stages load their own layers' weights from --model")
-    if c.speculative_method == "mtp":
-        raise ConfigError("pipeline stages do not run with MTP speculation yet (CPU or GPU)")
+    if c.speculative_method == "mtp":  # before any stage starts: the last one loads the MTP block
+        check_readable(c.model, cfg, range(0), False, False, True)
     if c.pipeline_stages > L:
         raise ConfigError(f"pipeline_stages {c.pipeline_stages} exceeds the model's {L} layers")
     devices = c.stage_devices()
@@ -175,7 +175,8 @@ def kv_capacity(
     headroom = config.memory_headroom_mib * 2**20
     if device.type == "cuda" and stages is not None:
         ranges, devices, steps = stages
-        need = StageNeeds(cfg, dtype, config.max_concurrency, steps)
+        mtp = config.speculative_method == "mtp"
+        need = StageNeeds(cfg, dtype, config.max_concurrency, steps, mtp, config.head_embedding)
         images = prefix_images(config, need.kv_tokens(ranges, devices, headroom) * per_token, slot)
         tokens = need.kv_tokens(ranges, devices, headroom + images * slot)
     else:

@@ -250,6 +250,16 @@ def load_weights(
         return dest
 
 
+def check_readable(
+    model_dir: str | Path, cfg: ModelConfig, layers: range, with_embed: bool, with_head: bool, with_mtp: bool
+) -> None:
+    """The ConfigError `load_weights` of these arguments would raise (missing or unexpected tensors, wrong
+    shapes, no MTP block), from the files' headers alone: no tensor is read."""
+    with ExitStack() as stack:
+        shapes = expected_shapes(cfg, layers, with_embed, with_head, with_mtp)
+        CheckpointReader(Path(model_dir), cfg, shapes, stack)
+
+
 def fp8_capable(module: nn.Module, prefix: str = "") -> set[str]:
     """Runtime names of the module's tensors an FP8 kernel reads: projections and experts (params.py)."""
     from .moe import Experts

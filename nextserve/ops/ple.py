@@ -72,9 +72,11 @@ def lookup_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The table's rows at ids [T, heads] -> [T, heads, D] on ids' device.
 
     # NOTE: the n-gram table (51B parameters in the released model) may live in pinned host memory
-    # (--ple-table host) while ids are on the GPU: then one Triton launch reads the rows from host memory
-    # directly (zero-copy, through unified addressing), with no host synchronisation, so a decode step
-    # stays one CUDA graph; the values are the same bits F.embedding gives (a copy of each row)."""
+    # (--ple-table host), as may a pipeline's last-stage copy of the token embeddings its MTP block
+    # reads (--head-embedding host), while ids are on the GPU: then one Triton launch reads the rows from
+    # host memory directly (zero-copy, through unified addressing), with no host synchronisation, so a
+    # decode step stays one CUDA graph; the values are the same bits F.embedding gives (a copy of each
+    # row)."""
     if ids.is_cuda and not table.is_cuda:
         from .triton.ple import triton_host_rows
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from ..cache.decode_rows import WINDOW_FIELDS, eager_window, window_batch
@@ -47,7 +47,9 @@ from ..model.batch import DecodeBatch, ForwardBatch, SeqChunk, WindowBatch
 from ..model.flash_next import FlashNext
 from ..model.loader import load_module, meta_device
 from ..model.mtp import MTP
+from ..model.params import Weight
 from ..ops.linear import linear
+from ..ops.ple import lookup_rows
 
 
 def load_mtp(
@@ -67,6 +69,26 @@ def load_mtp(
     )  # fmt: skip
     mtp.fuse_projections()
     return mtp.eval()
+
+
+class _TokenTable(nn.Module):
+    """The model's token embeddings alone (what a pipeline's last stage reads for its MTP block)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Weight(cfg.vocab_size, cfg.hidden_size)
+
+
+def load_head_embedding(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, host: bool
+) -> torch.Tensor:
+    """The checkpoint's token embeddings [V, H] in dtype: on `device`, or with `host` in pinned host
+    memory (on a CUDA device: lookup_rows reads it over the bus; on the CPU it is plain memory)."""
+    with meta_device():
+        table = _TokenTable(cfg)
+    names = frozenset({"embed_tokens.weight"}) if host else frozenset()
+    load_module(table, model_dir, cfg, dtype, device, layers=range(0), with_head=False, host=names)
+    return table.embed_tokens.weight
 
 
 @dataclass
@@ -95,11 +117,14 @@ class MtpDrafter:
         states: StateSlots,
         k: int,
         pool: KVPool,
+        embed: torch.Tensor | None = None,
     ) -> None:
-        """k: drafts per window at most."""
+        """k: drafts per window at most. `embed` [V, H]: the token embeddings the MTP reads (default the
+        model's; a pipeline's last stage has its own copy, on its device or pinned in host memory)."""
         if k <= 0:
             raise ValueError(f"MTP drafting needs k >= 1, got {k}")
         self.model, self.mtp, self.states, self.k, self.pool = model, mtp, states, k, pool
+        self.embed = model.embed_tokens.weight if embed is None else embed
         self.graphs = None  # a GraphRunner holding this drafter's window graphs (set once captured)
 
     @torch.inference_mode()
@@ -193,17 +218,15 @@ class MtpDrafter:
 
         # NOTE: the same rows and steps as the eager MtpDrafter path: each MTP row a decode row at its
         # position (row-invariant), so the drafts do not depend on the batch or on the graph."""
-        w_embed = self.model.embed_tokens.weight
-        dtype = x_in.dtype
-        embed = F.embedding(rows.input_ids, w_embed)  # [Wm*B, H]
-        self.mtp.window(x_in, embed, rows, self.model.rope(rows.positions, dtype, True))
+        embed = lookup_rows(self.embed, rows.input_ids)  # [Wm*B, H]
+        self.mtp.window(x_in, embed, rows, self.model.rope(rows.positions, x_in.dtype, True))
         return self.chain_drafts(chain, multi0)
 
     def chain_drafts(self, chain: WindowBatch, multi0: torch.Tensor) -> torch.Tensor:
         """k greedy chain steps from multi0 [B, nH] (the target's streams of each item's last committed
         row), step 0 fed chain's step-0 tokens (the sampled ones), each later step the draft before; each
         step one row-invariant decode row per item at end - 1 + j: drafts [k, B]. No host reads."""
-        w_embed, dtype = self.model.embed_tokens.weight, multi0.dtype
+        dtype = multi0.dtype
         first = chain.steps[0].cache.slots  # each row's slot (scratch where it has no chain)
         tail = self.states.tail_plane(self.mtp.attn_index)  # [S, c-1, di]
         saved = tail.index_select(0, first)
@@ -211,7 +234,7 @@ class MtpDrafter:
         for step in chain.steps:
             step = DecodeBatch(token, step.positions, step.cache)
             rope = self.model.rope(step.positions, dtype, True)
-            multi = self.mtp.decode(multi, F.embedding(token, w_embed), step, rope)
+            multi = self.mtp.decode(multi, lookup_rows(self.embed, token), step, rope)
             token = self._greedy(multi)
             drafts.append(token)
         # NOTE: the chain's tail rows belong to positions past the committed ones (see the NOTE above).
@@ -237,7 +260,7 @@ class MtpDrafter:
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         streams = rows[0][2] if len(rows) == 1 else torch.cat([r[2] for r in rows])
-        embed = F.embedding(ids_t, self.model.embed_tokens.weight)  # [T, H]
+        embed = lookup_rows(self.embed, ids_t)  # [T, H]
         batch = ForwardBatch(ids_t, pos_t, spans, ri)
         self.mtp(streams, embed, batch, self.model.rope(pos_t, streams.dtype, ri))
 

@@ -37,11 +37,17 @@ from .runner import ChunkResult, _describe
 from .stage_channel import free_port
 from .stage_launch import StageSetup, start_stages
 from .stage_mirror import StageMirror
+from .stage_mtp import mtp_work, receive_drafts
 from .stage_transport import make_transport
 from .stage_worker import DecodeWork, PrefillWork, StageStep, StageWorker, WindowsWork, on_device
 
 log = logging.getLogger("nextserve.pipeline")
 FAILED = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
+
+
+def mtp_tokens(config: EngineConfig) -> int:
+    """Drafts the MTP block on the last stage chains per window (0: no MTP speculation)."""
+    return config.speculative_tokens if config.speculative_method == "mtp" else 0
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -82,24 +88,30 @@ def in_stage(name: str, layers: range, cfg: ModelConfig) -> bool:
         return int(name.split(".")[1]) in layers
     if name.startswith("embed_tokens."):
         return layers.start == 0
-    return layers.stop == cfg.num_hidden_layers  # the mixer and lm_head
+    return layers.stop == cfg.num_hidden_layers  # the mixer, lm_head and the MTP block
 
 
 @dataclass(frozen=True)
 class StageNeeds:
     """What every stage's GPU must hold besides its KV planes, for --kv-capacity auto: its layers' weights
-    and its state slots (`window_steps` keep slots each)."""
+    and its state slots (`window_steps` keep slots each); the last stage's MTP block with `mtp`, and its
+    copy of the token embeddings unless they are in host memory (`head_embedding`)."""
 
     cfg: ModelConfig
     dtype: torch.dtype
     num_slots: int
     window_steps: int
+    mtp: bool = False
+    head_embedding: str = "device"
 
     def bytes_and_kv_per_token(self, layers: range) -> tuple[int, int]:
         """(bytes of the stage's weights and state slots, bytes per token of its KV planes)."""
         cfg, kinds = self.cfg, KindRange.of(self.cfg, layers)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        weights = sum(math.prod(s) for name, s in expected_shapes(cfg).items() if in_stage(name, layers, cfg))
+        shapes = expected_shapes(cfg, with_mtp=self.mtp)
+        weights = sum(math.prod(s) for name, s in shapes.items() if in_stage(name, layers, cfg))
+        if self.mtp and self.head_embedding == "device" and layers.stop == cfg.num_hidden_layers:
+            weights += math.prod(shapes["embed_tokens.weight"])
         slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + self.num_slots * (1 + self.window_steps))
         return weights * elem + slots, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
 
@@ -133,7 +145,7 @@ class PipelineRunner(StageWorker):
             StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
                        pool.page_size, rank, len(stages), port, torch.get_num_threads(), str(devices[rank]),
                        kind, config.pdl, max_context, config.cuda_graph, slots.window_steps,
-                       config.quantization)
+                       config.quantization, mtp_tokens(config), config.head_embedding)
             for rank in range(1, len(stages))
         ]  # fmt: skip
         channel, self.procs = start_stages(setups, port)
@@ -150,6 +162,7 @@ class PipelineRunner(StageWorker):
                 self.capture_graphs(pool.pages_for(max_context), slots.num_slots, slots.window_steps)
         self.mirror = StageMirror(pool, slots)
         self.decode_groups = config.decode_groups
+        self.mtp_tokens = mtp_tokens(config)  # the last stage drafts up to this many (0: no MTP)
         self.failure: str | None = None  # why the pipeline cannot run (a stage died), for good
         self.closed = False
         self.channel.broadcast(None)  # every stage is built
@@ -231,13 +244,25 @@ class PipelineRunner(StageWorker):
                         queue.append(("decode", active, len(active)))
         self.flush()
         results += rounds.results()
-        if not chunks:
-            return results
-        try:
-            return results + self._sample(chunks, [(torch.cat(rows), None)])
-        except Exception as exc:  # noqa: BLE001
-            log.exception("sampling failed")
-            return results + [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+        if chunks:
+            try:
+                results += self._sample(chunks, [(torch.cat(rows), None)])
+            except Exception as exc:  # noqa: BLE001
+                log.exception("sampling failed")
+                results += [ChunkResult(ch, error=_describe(exc)) for ch in chunks]
+        if self.mtp_tokens and (plan.prefills or plan.verifies):
+            self._draft(plan, results)
+        return results
+
+    def _draft(self, plan: StepPlan, results: list[ChunkResult]) -> None:
+        """The MTP drafts of the step's committed chunks, drafted on the last stage (stage_mtp.py).
+
+        # NOTE: sent whenever the step had chunks the last stage kept streams of (even with none left to
+        # draft for), so that every MTP message takes exactly the streams of the step before it."""
+        work, owners = mtp_work(plan, results, self.mtp_tokens)
+        self._launch(StageStep(self.mirror.take(), [], mtp=work))
+        receive_drafts(self.channel, owners, work, self.mtp_tokens)
+        self.flush()
 
     def _decode_work(self, rows: list[DecodeRow]) -> DecodeWork:
         """The next round's inputs of decode rows (pages owned first: copy-on-write)."""

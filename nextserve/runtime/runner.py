@@ -56,6 +56,31 @@ class LaunchedStep:
         return self.host[: len(self.chunks)].tolist()
 
 
+@dataclass(frozen=True)
+class CommittedRows:
+    """What a step committed of one chunk, as the MTP block takes it (MtpRows without the streams)."""
+
+    start: int  # position of the first committed row
+    ids: list[int]  # the committed rows' input tokens
+    row_invariant: bool  # a verify window's rows (a prefill chunk's are not)
+    sampled: int | None  # the token after the last committed row, when one was sampled
+    chain: int  # drafts to chain after it
+
+
+def committed_rows(r: ChunkResult, k: int) -> CommittedRows:
+    """The rows result `r` committed (a window's: up to its computed end) and the chain of at most k
+    drafts to follow them (none for a grammar request, none past the request's token budget)."""
+    ch, seq = r.chunk, r.chunk.seq
+    end = ch.end if r.computed is None else r.computed
+    sampled = [] if r.token is None else [r.token] + [t for t, _ in r.more]
+    # the committed rows' input tokens: known ones, then a window's accepted drafts
+    ids = (seq.tokens(ch.start, min(end, seq.num_tokens)) + sampled)[: end - ch.start]
+    chain = 0
+    if sampled and seq.constraint is None:
+        chain = max(0, min(k, seq.token_budget() - end - 1))
+    return CommittedRows(ch.start, ids, bool(ch.drafts), sampled[-1] if sampled else None, chain)
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -72,14 +97,16 @@ class ModelRunner:
         mtp: MTP | None = None,
         draft_tokens: int = 0,
         max_rows: int = 1,
+        embed: torch.Tensor | None = None,
     ) -> None:
         """`mtp`: the MTP block, to chain up to `draft_tokens` drafts after each step (speculative
-        method mtp). `max_rows`: the most rows of a step (sequences x rows per window)."""
+        method mtp), reading the token embeddings `embed` (default: the model's). `max_rows`: the most
+        rows of a step (sequences x rows per window)."""
         self.model, self.device, self.pool, self.states, self.graphs = model, device, pool, states, graphs
         self.pdl = pdl
         self.drafter = None
         if mtp is not None:
-            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, pool)
+            self.drafter = MtpDrafter(model, mtp, states, draft_tokens, pool, embed)
         # NOTE: every decode step's argmax lands in `tokens` (a graph writes all its rows there), which a
         # step launched before the host read them names by row (launch_decode); two host buffers, so the
         # next launched step's copy never lands where the host still reads the previous one's.
@@ -219,17 +246,9 @@ class ModelRunner:
             streams = kept.get(id(r.chunk))
             if r.error is not None or streams is None:
                 continue
-            ch, seq = r.chunk, r.chunk.seq
-            end = ch.end if r.computed is None else r.computed
-            sampled = [] if r.token is None else [r.token] + [t for t, _ in r.more]
-            # the committed rows' input tokens: known ones, then a window's accepted drafts
-            ids = (seq.tokens(ch.start, min(end, seq.num_tokens)) + sampled)[: end - ch.start]
-            chain = 0
-            if sampled and seq.constraint is None:
-                chain = max(0, min(self.drafter.k, seq.token_budget() - end - 1))
-            after = sampled[-1] if sampled else None  # the token after the last committed row
-            rows = streams[: end - ch.start]
-            items.append(MtpRows(seq.cache, ch.start, rows, ids, bool(ch.drafts), after, chain))
+            c = committed_rows(r, self.drafter.k)
+            rows, cache = streams[: len(c.ids)], r.chunk.seq.cache
+            items.append(MtpRows(cache, c.start, rows, c.ids, c.row_invariant, c.sampled, c.chain))
             owners.append(r)
         if not items:
             return

@@ -47,6 +47,8 @@ class StageSetup:
     cuda_graph: bool  # decode steps and verify windows replay CUDA graphs (on a CUDA device)
     window_steps: int  # keep slots per state slot: the speculative tokens per window (0: no speculation)
     quantization: str  # EngineConfig.quantization
+    mtp_tokens: int = 0  # the last stage's MTP block drafts up to this many a window (0: no MTP)
+    head_embedding: str = "device"  # where that block's token embeddings live (EngineConfig)
 
 
 @wire_type
@@ -70,13 +72,16 @@ class RankSetup:
     cuda_graph: bool
     window_steps: int
     quantization: str
+    mtp_tokens: int
+    head_embedding: str
 
     @classmethod
     def of(cls, s: StageSetup) -> RankSetup:
         dtype = next(name for name, dt in DTYPES.items() if dt == s.dtype)
         return cls(os.path.abspath(s.model_dir), s.layers.start, s.layers.stop, dtype, s.num_slots,
                    s.num_pages, s.page_size, s.threads, torch.device(s.device).type, s.transport, s.pdl,
-                   s.max_context, s.cuda_graph, s.window_steps, s.quantization)  # fmt: skip
+                   s.max_context, s.cuda_graph, s.window_steps, s.quantization, s.mtp_tokens,
+                   s.head_embedding)  # fmt: skip
 
     def stage_setup(self, rank: int, world: int, local_rank: int) -> StageSetup:
         device = f"cuda:{local_rank}" if self.device_type == "cuda" else "cpu"
@@ -84,7 +89,7 @@ class RankSetup:
             self.model_dir, ModelConfig.from_dir(self.model_dir), range(self.first_layer, self.end_layer),
             DTYPES[self.dtype], self.num_slots, self.num_pages, self.page_size, rank, world, 0, self.threads,
             device, self.transport, self.pdl, self.max_context, self.cuda_graph, self.window_steps,
-            self.quantization,
+            self.quantization, self.mtp_tokens, self.head_embedding,
         )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .mtp_runner import load_head_embedding, load_mtp
 from .pipeline import build_stage
 from .stage_channel import StageChannel
 from .stage_launch import RankSetup, StageSetup, rendezvous_channel, torchrun_rank
@@ -43,8 +44,15 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
         setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,
     )  # fmt: skip
+    mtp = embed = None
+    if setup.mtp_tokens and setup.layers.stop == setup.cfg.num_hidden_layers:  # the MTP block's stage
+        mtp = load_mtp(setup.model_dir, setup.cfg, setup.dtype, device, setup.quantization)
+        host = setup.head_embedding == "host"
+        embed = load_head_embedding(setup.model_dir, setup.cfg, setup.dtype, device, host)
     transport = make_transport(setup.transport, channel, device)
-    worker = StageWorker(model, pool, slots, channel, transport, device, setup.pdl)
+    worker = StageWorker(
+        model, pool, slots, channel, transport, device, setup.pdl, mtp, setup.mtp_tokens, embed
+    )
     if setup.cuda_graph and device.type == "cuda":
         worker.capture_graphs(pool.pages_for(setup.max_context), setup.num_slots, setup.window_steps)
     channel.broadcast(None)  # ready

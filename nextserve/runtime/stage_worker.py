@@ -20,11 +20,13 @@ from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
 from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
+from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
 from .graph_runner import GraphRunner
 from .runner import ModelRunner
 from .stage_channel import StageChannel
 from .stage_codec import wire_type
+from .stage_mtp import KeptStreams, MtpWork, draft_on_last_stage
 from .stage_transport import HostTransport, NcclTransport
 
 log = logging.getLogger("nextserve.pipeline")
@@ -68,6 +70,7 @@ class StageStep:
     prefills: list[PrefillWork]
     decodes: tuple[DecodeWork, ...] = ()  # decode groups (one, without --decode-groups), each an item
     windows: WindowsWork | None = None
+    mtp: MtpWork | None = None  # the last step's MTP rows, for the last stage (stage_mtp.py)
 
 
 class StageWorker(ModelRunner):
@@ -76,9 +79,12 @@ class StageWorker(ModelRunner):
     def __init__(
         self, model: FlashNext, pool: KVPool, slots: StateSlots, channel: StageChannel,
         transport: HostTransport | NcclTransport, device: torch.device, pdl: bool = False,
+        mtp: MTP | None = None, draft_tokens: int = 0, embed: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(model, device, pool, slots, pdl=pdl)
+        """`mtp`: the last stage's MTP block, drafting up to `draft_tokens` from `embed` (stage_mtp.py)."""
+        super().__init__(model, device, pool, slots, pdl=pdl, mtp=mtp, draft_tokens=draft_tokens, embed=embed)
         self.channel, self.transport = channel, transport
+        self.kept = KeptStreams() if self.drafter is not None else None
         self.nH = model.cfg.hc_hidden
         self.saved: dict[int, dict[str, torch.Tensor]] = {}  # this stage's prefix-image slot states
         self.host_saved: dict[int, tuple] = {}  # its share of the images in the driver's host store
@@ -127,9 +133,11 @@ class StageWorker(ModelRunner):
         return self.transport.recv((rows, self.nH), dtype, r - 1), ok
 
     def _item(
-        self, kind: str, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype
-    ) -> None:
-        """Run one item through this stage (forward(x_in) -> streams) and send it on."""
+        self, kind: str, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype,
+        sequences: int = 1,
+    ) -> None:  # fmt: skip
+        """Run one item (of `sequences` sequences) through this stage (forward(x_in) -> streams) and send
+        it on; the last stage keeps its streams when it drafts."""
         r, last = self.channel.rank, self.channel.world - 1
         x_in, ok = self._stream_in(rows, dtype)
         x = logits = None
@@ -144,6 +152,8 @@ class StageWorker(ModelRunner):
                 ok = False
         if self.trace is not None:
             self._trace(kind, rows, t0, x)
+        if self.kept is not None:
+            self.kept.add(kind, x if ok else None, rows, sequences)
         status = torch.tensor([int(ok)], dtype=torch.int8)
         if r < last:
             self.channel.send(status, r + 1)
@@ -192,7 +202,7 @@ class StageWorker(ModelRunner):
         if step.windows is not None:
             _, W, B = step.windows.inputs.shape
             rows = torch.arange(W * B, device=dev)
-            self._item("windows", lambda x, w=step.windows: self._windows(w, x), W * B, rows, dtype)
+            self._item("windows", lambda x, w=step.windows: self._windows(w, x), W * B, rows, dtype, B)
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
@@ -203,16 +213,21 @@ class StageWorker(ModelRunner):
         for d in step.decodes:
             rows = torch.arange(len(d.ids), device=dev)
             self._item("decode", lambda x, d=d: self._decode(d, x), len(d.ids), rows, dtype)
+        if step.mtp is not None and self.kept is not None:
+            kept = self.kept.take()
+            draft_on_last_stage(self.drafter, self.pool, self.states, self.channel, step.mtp, kept)
 
     def capture_graphs(self, max_pages: int, max_rows: int, max_drafts: int = 0) -> None:
         """This stage's decode steps and verify windows (up to max_drafts drafts) as CUDA graphs per
         batch-size bucket, streams out (the last stage's logits, of the rows that sample, are computed
         after the replay as for an eager step)."""
         self.graphs = GraphRunner(
-            self.model, self.pool, self.states, max_pages, max_rows, max_drafts, logits=False
+            self.model, self.pool, self.states, max_pages, max_rows, max_drafts, self.drafter, logits=False
         )
         with pdl_mode(self.pdl):  # the graphs hold the launches as captured
             self.graphs.capture()
+        if self.drafter is not None:
+            self.drafter.graphs = self.graphs
 
     def _decode(self, d: DecodeWork, x: torch.Tensor | None) -> torch.Tensor:
         """A decode item's streams after this stage's layers [n, nH] (x: the previous stage's): a window

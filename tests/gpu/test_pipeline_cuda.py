@@ -172,3 +172,39 @@ def test_decode_groups_and_speculation_on_one_gpu(small_model_dir) -> None:
         _pool_full(split)
     finally:
         split.close()
+
+
+@pytest.mark.parametrize(
+    "head,graph", [("device", True), ("host", True), ("host", False)], ids=["device", "host", "host-eager"]
+)
+def test_mtp_through_two_stages_on_one_gpu(head: str, graph: bool) -> None:
+    """The trained default model's MTP block on the last of two stages on cuda:0 (through host memory),
+    its token embeddings a device copy or pinned host memory read over the bus: the plain single-GPU
+    outputs, and at every window the drafts the single-GPU MTP engine proposes (the stage's drafter
+    graphs or eager windows, bit for bit)."""
+    from spec_cases import DraftLog, py_prompts
+
+    from nextserve.config import DEFAULT_MODEL
+
+    flags = FLAGS | {"prefill_chunk": 32, "cuda_graph": graph}
+    plain = LLM(DEFAULT_MODEL, dtype="bfloat16", **flags)
+    prompts = [plain.tokenizer.encode(p, add_special_tokens=False) for p in py_prompts()]
+    one = LLM(DEFAULT_MODEL, dtype="bfloat16", speculative_method="mtp", speculative_tokens=3, **flags)
+    split = LLM(DEFAULT_MODEL, dtype="bfloat16", speculative_method="mtp", speculative_tokens=3,
+                pipeline_stages=2, pipeline_devices="0,0", stage_transport="host", head_embedding=head,
+                **flags)  # fmt: skip
+    try:
+        for params in PARAMS:
+            want = plain.generate(prompts, params)
+            one_log, split_log = DraftLog(one), DraftLog(split)
+            _same(want, one.generate(prompts, params))
+            _same(want, split.generate(prompts, params))
+            for p in prompts:
+                assert one_log.of(p) and split_log.of(p) == one_log.of(p)
+            one.engine.scheduler.proposer = one_log.inner
+            split.engine.scheduler.proposer = split_log.inner
+        s = split.stats()
+        assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"], s
+        _pool_full(split)
+    finally:
+        split.close()

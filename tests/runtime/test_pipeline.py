@@ -68,7 +68,6 @@ def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dty
     [
         ({"pipeline_stages": 0}, "pipeline_stages"),
         ({"pipeline_stages": 9}, "exceeds"),
-        ({"pipeline_stages": 2, "speculative_method": "mtp"}, "MTP speculation"),
         ({"pipeline_stages": 2, "stage_transport": "nccl"}, "nccl needs CUDA"),
         ({"pipeline_stages": 2, "pipeline_devices": "0,1"}, "CUDA devices"),
     ],
