@@ -11,7 +11,10 @@ prompts, greedy. Prints one JSON object.
 - agent: `--sessions` sessions, each a shared system prompt + its own history; three turns, each the last
   prompt + the reply (64 tokens) + a new 256-token message, all sessions' turn n sent together; mean TTFT
   per turn and output tok/s, with prefix reuse on and with --no-prefix-cache, and the outputs compared;
-- preempt: one decoding sequence of a 62,000-token prompt moved to host memory and back (seconds, bytes).
+- preempt: one decoding sequence of a 62,000-token prompt moved to host memory and back (seconds, bytes;
+  `swap_out_host_s`: what the engine's host thread spent, the copy itself running on a copy stream);
+- host_store (`--device-images N`): the agent workload with N device images (fewer than the sessions, so
+  images leave the device) and the host image store on (64 images within --host-kv-mib) against off.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def fit(engine, max_context: int) -> dict:
             "pool_tokens": tokens, "max_context": max_context}  # fmt: skip
 
 
-def agent(engine, sessions: int) -> dict:
-    rng = random.Random(7)
+def agent(engine, sessions: int, seed: int = 7) -> dict:
+    rng = random.Random(seed)
     system = ids(rng, 2048)
     prompts = [system + ids(rng, 4096) for _ in range(sessions)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -112,6 +115,7 @@ def preempt_cost(engine, prompt_len: int) -> dict:
     sync()
     t0 = time.perf_counter()
     sched.preempt(seq)
+    t_host = time.perf_counter() - t0
     sync()
     t_out = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -122,8 +126,42 @@ def preempt_cost(engine, prompt_len: int) -> dict:
     engine.abort(rid)
     engine.step()
     return {"context_tokens": seq.num_computed, "copy_bytes": nbytes, "swap_out_s": round(t_out, 4),
+            "swap_out_host_s": round(t_host, 4),
             "swap_in_s": round(t_in, 4), "GB_per_s_out": round(nbytes / t_out / 1e9, 2),
             "GB_per_s_in": round(nbytes / t_in / 1e9, 2)}  # fmt: skip
+
+
+def compare(
+    model, device, dtype, base: dict, modes: dict, args, max_context: int, key: str, measure: bool
+) -> dict:
+    """The agent workload on an engine of each of two modes (with `measure`, the first engine also measures
+    fit and preempt): per mode its turns, the outputs compared, and the mean-TTFT ratio second / first."""
+    res, results = {}, {}
+    for name, flags in modes.items():
+        engine = engine_for_model(model, device, dtype, **base, **flags)
+        results[name] = {"prefix_images": engine.plan.prefix_images if engine.plan else None}
+        if measure:
+            res["fit"] = fit(engine, max_context)
+            res["preempt"] = preempt_cost(engine, min(62000, int(max_context / args.scale) - 2048))
+            measure = False
+        if args.warm_pass:  # the same workload on other prompts first, then nothing cached
+            results[name]["warm_pass"] = agent(engine, args.sessions, seed=99)["turns"]
+            engine.clear_prefix_cache()
+        hits = engine.stats()["host_image_hits"]
+        results[name] |= agent(engine, args.sessions)
+        results[name]["host_hits"] = engine.stats()["host_image_hits"] - hits
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    first, second = (results[n] for n in modes)
+    res[f"{key}_identical_outputs"] = first.pop("replies") == second.pop("replies")
+    res[key] = results
+    res[f"{key}_ratio_mean_ttft_{'_over_'.join(reversed(list(modes)))}"] = [
+        round(b["mean_ttft_s"] / a["mean_ttft_s"], 2)
+        for a, b in zip(first["turns"], second["turns"], strict=True)
+    ]
+    return res
 
 
 def main() -> None:
@@ -133,41 +171,55 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=65536)
     p.add_argument("--scale", type=float, default=1.0, help="lengths times this (CPU smoke: 0.02)")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--device-images", type=int, default=0, help="also the host store on/off at N device images"
+    )
+    p.add_argument(
+        "--host-kv-mib", type=int, default=16384, help="the host store's budget in that comparison"
+    )
+    p.add_argument("--no-prefix-comparison", action="store_true", help="skip fit, preempt and prefix on/off")
+    p.add_argument("--warm-pass", action="store_true", help="each engine runs the workload once first")
+    p.add_argument("--fit-only", action="store_true", help="only fit and preempt (the 48-layer run)")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    p.add_argument("--ple-table", choices=["device", "host"], default="device")
+    p.add_argument("--ngram-vocab-base", type=int, default=None, help="n-gram table size (make-model's)")
     args = p.parse_args()
     global SCALE
     SCALE = args.scale
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg, _ = bench_config("flash-next" if device.type == "cuda" else "tiny", args.layers, None)
+    preset = "flash-next" if device.type == "cuda" else "tiny"
+    cfg, _ = bench_config(preset, args.layers, args.ngram_vocab_base)
     res = {
         "benchmark": "agent_sessions",
         "command": " ".join(sys.argv),
         **git_info(),
         "hardware": hardware(device),
     }
-    model = random_flash_next(cfg, device, dtype, seed=0)
+    fp8, ple_host = args.quantization == "fp8", args.ple_table == "host"
+    model = random_flash_next(cfg, device, dtype, seed=0, fp8=fp8, ple_host=ple_host)
     max_context = min(int(args.max_context * args.scale), cfg.max_position_embeddings)
     base = dict(max_concurrency=64, max_context=max_context, prefill_chunk=max(16, int(1024 * args.scale)))
     if device.type == "cpu":
         base |= dict(page_size=16, kv_capacity=8 * max_context)
-    results = {}
-    for name, flags in (("prefix_on_default", {}), ("prefix_off", {"prefix_cache": False})):
-        engine = engine_for_model(model, device, dtype, **base, **flags)
-        results[name] = {"prefix_images": engine.plan.prefix_images if engine.plan else None}
-        if name == "prefix_on_default":
-            res["fit"] = fit(engine, max_context)
-            res["preempt"] = preempt_cost(engine, min(62000, int(max_context / args.scale) - 2048))
-        results[name] |= agent(engine, args.sessions)
+    if args.fit_only:
+        engine = engine_for_model(model, device, dtype, **base)
+        res["memory_plan"] = engine.plan.table() if engine.plan else None
+        res["fit"] = fit(engine, max_context)
+        res["preempt"] = preempt_cost(engine, min(62000, int(max_context / args.scale) - 2048))
         engine.close()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-    on, off = results["prefix_on_default"], results["prefix_off"]
-    res["agent_identical_outputs"] = on.pop("replies") == off.pop("replies")
-    res["agent"] = results
-    res["ratio_mean_ttft_off_over_on"] = [
-        round(b["mean_ttft_s"] / a["mean_ttft_s"], 2) for a, b in zip(on["turns"], off["turns"], strict=True)
-    ]
+    elif not args.no_prefix_comparison:
+        modes = {"prefix_on_default": {}, "prefix_off": {"prefix_cache": False}}
+        res |= compare(model, device, dtype, base, modes, args, max_context, "agent", True)
+    if args.device_images and not args.fit_only:
+        store = dict(prefix_cache_images=args.device_images, host_kv_mib=args.host_kv_mib)
+        modes = {
+            "host_store_on": store | {"host_state_slots": 64},
+            "host_store_off": store | {"host_state_slots": 0},
+        }
+        res |= compare(
+            model, device, dtype, base, modes, args, max_context, "host_store", args.no_prefix_comparison
+        )
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -134,13 +134,16 @@ def main() -> None:
         default="none",
         help="fp8: the projections and experts block-wise FP8 (as `nextserve bench` draws them)",
     )
+    p.add_argument("--ple-table", choices=["device", "host"], default="device")
+    p.add_argument("--ngram-vocab-base", type=int, default=None, help="n-gram table size (make-model's)")
     p.add_argument("--prefill", action="store_true", help="also profile a prefill of --prompt-len tokens")
     p.add_argument("--revision", default=None, help="git revision to record when the tree has no .git")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg, _ = bench_config(args.preset, args.layers)
-    model = random_flash_next(cfg, device, dtype, 0, fp8=args.quantization == "fp8")
+    cfg, _ = bench_config(args.preset, args.layers, args.ngram_vocab_base)
+    fp8, ple_host = args.quantization == "fp8", args.ple_table == "host"
+    model = random_flash_next(cfg, device, dtype, 0, fp8=fp8, ple_host=ple_host)
     conc = max(args.concurrency)
     # NOTE: room for every phase below (and for the decoding the later prompts' prefill steps already
     # run), so each phase sees all its rows; they are aborted at the end.

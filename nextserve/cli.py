@@ -48,8 +48,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "(a model directory without a tokenizer needs this flag)",
     "host_state_slots": "prefix images kept in host memory when the device keeps no more (0: off; auto: 64 "
     "when prefix reuse is on and the host has twice --host-kv-mib available); a prompt resumes from them "
-    "as from device images. Off by default: each image moved to the host is a synchronous copy, and no "
-    "benchmark shows the store helping yet (BENCHMARKS.md)",
+    "as from device images (the copies run beside the engine: a copy worker pins the memory, a copy stream "
+    "moves the bytes)",
     "warm_up": "compile every kernel specialisation a request can meet at start (prefill chunks from "
     "position 0 and from an image, of each length class), before /health says ready; GPU only "
     "(--no-warm-up: skip)",

@@ -289,7 +289,7 @@ class EngineConfig:
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
-    host_state_slots: int | str = 0  # prefix images kept in host memory (0: off; auto: on if room)
+    host_state_slots: int | str = "auto"  # prefix images kept in host memory (0: off; auto: on if room)
     host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none

@@ -111,13 +111,17 @@ def check_window_rows(model_dir, flags: dict, k: int = 6) -> None:
     assert not bad, f"window rows {bad} differ from serial decode"
 
 
-def mtp_drafts_resumed_as_cold(model_dir, flags: dict, prompts, params) -> tuple[LLM, LLM]:
-    """Each prompt alone on a cold MTP engine and on one keeping prefix images (later prompts resume):
-    both give the serial outputs, the resumed one reuses cached tokens and proposes the cold engine's
-    drafts. Returns (cold, warm) for the caller's pool checks."""
+def mtp_drafts_resumed_as_cold(
+    model_dir, flags: dict, prompts, params, warm_flags: dict | None = None
+) -> tuple[LLM, LLM]:
+    """Each prompt alone on a cold MTP engine and on one keeping prefix images (later prompts resume; with
+    `warm_flags` too, e.g. pipeline stages): both give the serial outputs, the resumed one reuses cached
+    tokens and proposes the cold engine's drafts. Returns (cold, warm) for the caller's pool checks (and
+    to close)."""
     serial = LLM(str(model_dir), **flags).generate(prompts, params)
     cold = LLM(str(model_dir), speculative_method="mtp", speculative_tokens=3, **flags)
-    warm = LLM(str(model_dir), speculative_method="mtp", speculative_tokens=3, prefix_cache_images=8, **flags)
+    warm = LLM(str(model_dir), speculative_method="mtp", speculative_tokens=3, prefix_cache_images=8,
+               **flags | (warm_flags or {}))  # fmt: skip
     cold_log, warm_log = DraftLog(cold), DraftLog(warm)
     for p, want in zip(prompts, serial, strict=True):  # one at a time: later ones resume from images
         same([want], cold.generate([p], params))

@@ -67,7 +67,7 @@ class Swapper:
 
     def pages_to_resume(self, seq: Sequence, tokens: int) -> int:
         """Free pages resuming seq with room for `tokens` takes."""
-        return max(self.pool.pages_for(tokens), self.copies[id(seq)].k.shape[1])
+        return max(self.pool.pages_for(tokens), self.copies[id(seq)].n_pages)
 
     def swap_in(self, seq: Sequence, tokens: int) -> SequenceCache | None:
         """seq's cache back in a fresh slot and fresh pages, reserved for `tokens`; None (nothing taken)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.host_store import copy_state, pages_from_host, pages_to_host
+from ..cache.host_store import HostImage, into_pool, to_host
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cache.states import StateSlots
@@ -87,7 +87,7 @@ class StageWorker(ModelRunner):
         self.kept = KeptStreams() if self.drafter is not None else None
         self.nH = model.cfg.hc_hidden
         self.saved: dict[int, dict[str, torch.Tensor]] = {}  # this stage's prefix-image slot states
-        self.host_saved: dict[int, tuple] = {}  # its share of the images in the driver's host store
+        self.host_saved: dict[int, HostImage] = {}  # its share of the images in the driver's host store
         trace_dir = os.environ.get(TRACE_ENV)
         self.trace = None if not trace_dir else os.path.join(trace_dir, f"stage-{channel.rank}.jsonl")
 
@@ -106,15 +106,10 @@ class StageWorker(ModelRunner):
                 self.saved.pop(args[0], None)
             elif op == "spill":  # the image's pages are free after this: copy them out first
                 key, host_id, pages = args
-                self.host_saved[host_id] = (
-                    copy_state(self.saved[key], "cpu"),
-                    pages_to_host(self.pool, pages),
-                )
+                self.host_saved[host_id] = to_host(self.pool, 0, self.saved[key], pages)
             elif op == "unspill":
                 host_id, pages, key = args
-                state, planes = self.host_saved[host_id]
-                pages_from_host(self.pool, pages, *planes)
-                self.saved[key] = copy_state(state, self.device)
+                self.saved[key] = into_pool(self.pool, pages, self.host_saved[host_id])
             elif op == "rewind":
                 self.states.rewind(*args)
             else:  # host_drop

@@ -94,3 +94,28 @@ def test_growth_and_preemption_on_cuda_equal_a_roomy_pool(tiny_model_dir, graph:
         assert a.token_ids == b.token_ids and len(a.prompt_token_ids) + len(a.token_ids) == 256
         assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
     assert_pool_full(tight)
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_host_image_store_on_cuda_resumes_exactly(tiny_model_dir, graph: bool) -> None:
+    """Images spilled to host memory by the copy stream (pinned, not waited for) and brought back behind
+    its event: prompts resumed from them give a cold engine's tokens and logprobs, each request alone,
+    right after the spill that moved them (the copy may still run when the next prefill starts)."""
+    g = torch.Generator().manual_seed(5)
+    bases = [torch.randint(8, 500, (96,), generator=g).tolist() for _ in range(4)]
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=4096,
+                 max_context=1024, max_concurrency=2, cuda_graph=graph)  # fmt: skip
+    store = LLM(tiny_model_dir, prefix_cache_images=1, host_state_slots=8, **flags)
+    cold = LLM(tiny_model_dir, prefix_cache=False, **flags)
+    for base in bases:  # each one's image pushes the one before it to the host
+        store.generate([base], GREEDY)
+    assert store.stats()["host_images"] >= 3
+    for i, base in enumerate(bases):
+        prompt = base + [7 + i] * 9
+        (got,) = store.generate([prompt], GREEDY)
+        (want,) = cold.generate([prompt], GREEDY)
+        assert got.cached_tokens >= 64
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+    assert store.stats()["host_image_hits"] >= 3
+    assert_pool_full(store)

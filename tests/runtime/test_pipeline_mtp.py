@@ -6,7 +6,7 @@ head's embeddings in host memory; and the flags' wrong values are clear errors."
 
 import pytest
 from pool_check import assert_pool_full
-from spec_cases import PY_PROMPT, DraftLog, py_prompts, same, spec_prompts
+from spec_cases import PY_PROMPT, DraftLog, mtp_drafts_resumed_as_cold, py_prompts, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import DEFAULT_MODEL, ConfigError, EngineConfig
@@ -76,18 +76,8 @@ def test_mtp_through_stages_with_prefix_reuse(small_model_dir) -> None:
     prompts = [base, base[:48] + [7, 8, 9], base + [11, 12], base[:32] + [5] * 32]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
     flags = FLAGS | {"prefill_chunk": 16}
-    serial = LLM(str(small_model_dir), **flags).generate(prompts, params)
-    cold = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, **flags)
-    warm = LLM(str(small_model_dir), speculative_method="mtp", speculative_tokens=3, pipeline_stages=2,
-               prefix_cache_images=8, **flags)  # fmt: skip
+    _, warm = mtp_drafts_resumed_as_cold(small_model_dir, flags, prompts, params, {"pipeline_stages": 2})
     try:
-        cold_log, warm_log = DraftLog(cold), DraftLog(warm)
-        for p, want in zip(prompts, serial, strict=True):  # one at a time: later ones resume from images
-            same([want], cold.generate([p], params))
-            same([want], warm.generate([p], params))
-        assert sum(o.cached_tokens for o in warm.generate(prompts[1:], params)) > 0
-        for p in prompts:
-            assert cold_log.of(p) and warm_log.of(p)[: len(cold_log.of(p))] == cold_log.of(p)
         assert warm.stats()["spec_draft_tokens"] > 0
         assert_pool_full(warm)
     finally:
