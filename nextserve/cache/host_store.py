@@ -57,7 +57,7 @@ def _copy_out(
     copy stream, and the event recorded after them."""
     dev = tensors[0].device
     with torch.cuda.device(dev):
-        stream = _copy_streams.setdefault(dev, torch.cuda.Stream(dev))
+        stream = _copy_streams.get(dev) or _copy_streams.setdefault(dev, torch.cuda.Stream(dev))
         out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         with torch.cuda.stream(stream):
             stream.wait_event(gathered)
