@@ -5,7 +5,7 @@ and replayed from a CUDA graph, the useful TFLOP/s (2 * T*k * 3*I*H flops) and t
 the bytes of the distinct experts' weights (the floor: each active expert read once); a per-kernel time
 breakdown (torch.profiler) and a sweep of the block sizes. Routing: uniform (top-k of uniform scores) and
 skewed (scores plus a per-expert bias of std 1, some experts hot). Prints JSON; run on a CUDA machine:
-python benchmarks/bench_moe_prefill.py [--quick]"""
+python benchmarks/bench_moe_prefill.py [--quick] [--tokens 4096 8192]"""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ SWEEP = [
     {"block_n_down": 128, "block_k_down": 128, "stages_down": 3},
     {"stages": 3, "stages_down": 3},
     {"stages": 5, "stages_down": 5},
+    {"block_m": 128, "warps": 8, "warps_down": 8},
+    {"block_m": 128, "warps": 8, "warps_down": 8, "stages": 3, "stages_down": 3},
+    {"block_m": 128, "block_n": 128, "warps": 8, "warps_down": 8, "stages": 3, "stages_down": 3},
 ]
 
 
@@ -68,6 +71,9 @@ def _routing(T: int, skewed: bool, g: torch.Generator, dev: torch.device):
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    tokens = (
+        [int(t) for t in sys.argv[sys.argv.index("--tokens") + 1 :]] if "--tokens" in sys.argv else TOKENS
+    )
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=g) / H**0.5).to(torch.bfloat16)
@@ -75,7 +81,7 @@ def main() -> None:
     gate_up32, down32 = gate_up.float(), down.float()
     rows = []
     for skewed in (False, True):
-        for T in TOKENS:
+        for T in tokens:
             x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
             w, ids = _routing(T, skewed, g, dev)
             counts = torch.bincount(ids.flatten(), minlength=E)

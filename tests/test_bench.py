@@ -135,4 +135,5 @@ def test_profile_prefill_times_every_family_of_a_cold_prefill(one_thread) -> Non
     assert {"gdn", "qsa_attention", "qsa_indexer", "moe_routed_and_router", "hyper_connection", "ple"} <= set(
         res["self_ms_per_module_kind"]
     )
+    assert isinstance(res["top_ops"], list)  # device time per op: none on the CPU
     assert not engine.has_unfinished()

@@ -185,6 +185,18 @@ def kernel_table(prof, top: int) -> dict[str, Any]:
     }
 
 
+def op_table(prof, top: int) -> list[dict[str, Any]]:
+    """A torch.profiler run's (record_shapes) operators by self device time, grouped by input shapes:
+    which call a kernel of `kernel_table` came from (Triton launches show as their kernel's name)."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        t = getattr(e, "self_device_time_total", 0.0)
+        if t > 0:
+            rows.append((t, e.count, e.key, str(e.input_shapes)[:160]))
+    rows.sort(reverse=True)
+    return [{"ms": round(t / 1000, 3), "count": n, "op": k[:80], "shapes": sh} for t, n, k, sh in rows[:top]]
+
+
 def profile_prefill(engine, prompt: list[int], top: int = 30) -> dict[str, Any]:
     """Where a cold prefill of `prompt` spends its time (the engine must not resume it from a prefix
     image: build it with prefix_cache=False). Four prefills of it: a warm-up, a plain timed one (TTFT),
@@ -219,7 +231,8 @@ def profile_prefill(engine, prompt: list[int], top: int = 30) -> dict[str, Any]:
     out["ttft_s_with_module_syncs"] = round(synced, 3)
     out["self_ms_per_module_kind"] = per_kind
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         out["ttft_s_profiled"] = round(prefill(), 3)
     out |= kernel_table(prof, top)
+    out["top_ops"] = op_table(prof, top)
     return out

@@ -1,11 +1,10 @@
 """Gated DeltaNet linear-attention block."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import causal_conv, conv_step, conv_window
+from ..ops.conv import conv_chunk, conv_step, conv_window
 from ..ops.fp8 import Fp8Weight
 from ..ops.gdn import gated_delta_rule, gdn_gates, recurrent_step, recurrent_window
 from ..ops.linear import linear
@@ -68,9 +67,8 @@ class GatedDeltaNet(nn.Module):
             if ri:  # a verify window: decode's conv, token by token (C1)
                 x = conv_window(qkv[s:e], conv_hist, conv_w, silu=True)
             else:
-                x, new_hist = causal_conv(qkv[s:e], conv_hist, conv_w)
+                x, new_hist = conv_chunk(qkv[s:e], conv_hist, conv_w, silu=True)
                 conv_hist.copy_(new_hist)
-                x = F.silu(x)
             q, k, v = self._split(x)
             if ri:  # a verify window: decode's recurrence kernel, token by token (C1)
                 core.append(recurrent_window(q, k, v, g[s:e], beta[s:e], rec))

@@ -5,6 +5,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.hyper import down_silu, inject, scaled_silu, up_mix
+from ..ops.linear import linear
 from ..ops.norms import rms_norm
 from .params import Weight, fuse_rows, project
 
@@ -22,7 +23,9 @@ class GatedResidual(nn.Module):
 
     def fuse(self) -> None:
         if self.block_inject_weight is not None:
-            self.in_proj = fuse_rows(self.input_mix_weight_down, self.block_inject_weight)
+            # NOTE: zero rows up to a multiple of 8 (324 -> 328 in Flash-Next): a prefill GEMM's output
+            # rows then stay 16-byte aligned for cuBLAS; decode rows read the unpadded rows (a view)
+            self.in_proj = fuse_rows(self.input_mix_weight_down, self.block_inject_weight, align=8)
 
     def mix(self, x: torch.Tensor, ri: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, nH] -> (block input u [T, H], injection logits W_inj X^ [T, n], None without inject)."""
@@ -30,9 +33,12 @@ class GatedResidual(nn.Module):
         r = self.input_mix_weight_down.weight.shape[0]
         if self.block_inject_weight is None:
             a, v = down_silu(xn, self.input_mix_weight_down.weight, r, self.n, ri), None
-        elif self.in_proj is not None:  # both read X^: one GEMV over their stack (vLLM merges them too)
-            av = down_silu(xn, self.in_proj, r, self.n, ri)  # [T, r + n]: silu(down / n) | inj logits
+        elif self.in_proj is not None and ri:  # both read X^: one GEMV over their stack (vLLM merges them)
+            av = down_silu(xn, self.in_proj[: r + self.n], r, self.n, ri)  # [T, r + n]: silu(down/n) | inj
             a, v = av[:, :r], av[:, r:]
+        elif self.in_proj is not None:  # a prefill chunk: one GEMM over the padded stack
+            y = linear(xn, self.in_proj)  # [T, r + n + padding]
+            a, v = scaled_silu(y[:, :r], self.n), y[:, r : r + self.n]
         else:
             down, v = project(xn, (self.input_mix_weight_down, self.block_inject_weight), None, ri)
             a = scaled_silu(down, self.n, ri)  # [T, r]

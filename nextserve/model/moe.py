@@ -65,20 +65,24 @@ class SparseMoe(nn.Module):
     def fuse(self) -> None:
         parts = self._parts()
         if not any(isinstance(p.operand, Fp8Weight) for p in parts):
-            self.in_proj = fuse_rows(*parts)
+            # NOTE: 1,793 rows in Flash-Next: a prefill GEMM with an output row of an odd length ran
+            # cuBLAS's unaligned kernel (0.4 ms a 4,096-token chunk, 6x the aligned one)
+            self.in_proj = fuse_rows(*parts, align=8)
             return
         se = self.shared_expert
-        self.router_proj = fuse_rows(self.gate, self.shared_expert_gate)
+        self.router_proj = fuse_rows(self.gate, self.shared_expert_gate, align=8)
         self.shared_gate_up = fuse_rows(se.gate_proj, se.up_proj)
 
     def _decode_weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight] | None:
         """(router|sg rows, the shared expert's gate|up rows) for `_decode`, or None when not fused (or
         when the shared expert is not stored like the routed ones, so it cannot ride their kernels)."""
         E = self.gate.weight.shape[0]
-        if self.in_proj is not None:  # NOTE: views of the stack (fuse)
-            fused = self.in_proj[: E + 1], self.in_proj[E + 1 :]
+        if self.in_proj is not None:  # NOTE: views of the stack (fuse), without its padding rows
+            n = E + 1 + 2 * self.shared_expert.gate_proj.weight.shape[0]
+            fused = self.in_proj[: E + 1], self.in_proj[E + 1 : n]
         elif self.router_proj is not None and self.shared_gate_up is not None:
-            fused = self.router_proj, self.shared_gate_up
+            router = self.router_proj
+            fused = router if isinstance(router, Fp8Weight) else router[: E + 1], self.shared_gate_up
         else:
             return None
         kinds = {isinstance(w, Fp8Weight) for w in (fused[1], self.shared_expert.down_proj.operand)}
@@ -88,11 +92,20 @@ class SparseMoe(nn.Module):
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:
         if ri and self.shared_as_expert and (fused := self._decode_weights()) is not None:
             return self._decode(u, *fused)
-        router, sg, g, up = project(u, self._parts(), self.in_proj, ri)
+        router, sg, g, up = self._project(u, ri)
         shared = self.shared_expert(u, ri, (g, up))
         w, ids = route(router, self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up, self.experts.down, ri)
         return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared
+
+    def _project(self, u: torch.Tensor, ri: bool) -> tuple[torch.Tensor, ...]:
+        """(router logits, shared-expert gate, shared gate, shared up) of u [T, H]."""
+        if ri or self.in_proj is not None or self.router_proj is None:
+            return project(u, self._parts(), self.in_proj, ri)
+        # NOTE: FP8 prefill: the router and sg through their stack, not sg as a GEMM of one column
+        se = self.shared_expert
+        router_sg = project(u, (self.gate, self.shared_expert_gate), self.router_proj, ri)
+        return (*router_sg, *project(u, (se.gate_proj, se.up_proj), self.shared_gate_up, ri))
 
     def _decode(self, u: torch.Tensor, router, shared_gate_up) -> torch.Tensor:
         """Row-invariant rows (decode, verify windows) of a fused model (`fuse`) whose shared expert has

@@ -48,11 +48,11 @@ class Projection(Weight):
     """A projection matrix [N, K], which may be stored in FP8 (the module docstring)."""
 
 
-def fuse_rows(*holders: Weight) -> torch.Tensor | Fp8Weight | None:
+def fuse_rows(*holders: Weight, align: int = 1) -> torch.Tensor | Fp8Weight | None:
     """Stack the weights [N_i, K] of projections that read the same input into one [sum N_i, K], each
     holder's weight becoming a view of its rows: one GEMV launch instead of several in a decode step, and
     no second copy of the weights. Returns the stack; None (nothing changed) for FP8 and plain weights
-    together.
+    together. A plain stack ends in zero rows up to a multiple of `align` rows.
 
     # NOTE: FP8 weights stack with each holder's rows padded to a whole 128-row scale block (zero rows,
     # inside that block's scale), so every holder's scales stay its own: the GDN's 48-row b and a cost 160
@@ -60,8 +60,11 @@ def fuse_rows(*holders: Weight) -> torch.Tensor | Fp8Weight | None:
     ops = [h.operand for h in holders]
     fp8 = [isinstance(w, Fp8Weight) for w in ops]
     if not any(fp8):
-        fused = torch.cat([h.weight.data for h in holders])
-        _share_rows(holders, fused, "weight", [h.weight.shape[0] for h in holders])
+        rows = [h.weight.shape[0] for h in holders]
+        pad = -sum(rows) % align  # NOTE: zero rows at the end, no holder's (`project` drops them)
+        w = holders[0].weight
+        fused = torch.cat([h.weight.data for h in holders] + [w.new_zeros((pad, w.shape[1]))])
+        _share_rows(holders, fused, "weight", rows)
         return fused
     if not all(fp8):
         return None
@@ -102,5 +105,6 @@ def project(
         parts = linear(x, stacked, ri).split(padded_rows(holders), dim=-1)
         return tuple(p[:, : h.weight.shape[0]] for p, h in zip(parts, holders, strict=True))
     if stacked is not None:
-        return linear(x, stacked, ri).split([h.weight.shape[0] for h in holders], dim=-1)
+        rows = [h.weight.shape[0] for h in holders]
+        return linear(x, stacked, ri)[:, : sum(rows)].split(rows, dim=-1)
     return tuple(linear(x, h.operand, ri) for h in holders)

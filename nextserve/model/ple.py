@@ -3,11 +3,10 @@
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import causal_conv, conv_step, conv_window
+from ..ops.conv import conv_chunk, conv_step, conv_window
 from ..ops.fp8 import Fp8Weight
 from ..ops.norms import rms_norm
 from ..ops.ple import lookup_rows, ngram_contexts, ngram_ids, ple_decode_ids, ple_gate
@@ -131,9 +130,9 @@ class PLE(nn.Module):
             if ri:  # a verify window: decode's conv, token by token (C1)
                 convs.append(conv_window(normed[s:e], conv_hist, conv_w, self.N, silu=True))
                 continue
-            out, new_hist = causal_conv(normed[s:e], conv_hist, conv_w, dilation=self.N)
+            out, new_hist = conv_chunk(normed[s:e], conv_hist, conv_w, self.N, silu=True)
             conv_hist.copy_(new_hist)
-            convs.append(F.silu(out))
+            convs.append(out)
         return gated + torch.cat(convs)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:

@@ -9,6 +9,8 @@ from ..ops.attention import (
     index_scores,
     indexer_open_block,
     paged_sparse_attention,
+    prefill_index_scores,
+    prefill_sparse_attention,
     select_decode_tokens,
 )
 from ..ops.fp8 import Fp8Weight
@@ -80,6 +82,12 @@ class Indexer(nn.Module):
         scores = index_scores(q, view.block_keys, view.block_table, n_blocks, view.max_blocks)
         return select_decode_tokens(scores, n_blocks, positions, self.c, self.topk)
 
+    def _select_chunk(self, q: torch.Tensor, positions: torch.Tensor, start: int, view: KVView):
+        """`_select` of a prefill chunk's rows, positions start .. start+T-1 of one sequence: the same
+        rule, scored by the prefill kernel (tiles of rows on tensor cores) on CUDA."""
+        scores, n_blocks = prefill_index_scores(q, view.block_keys, view.block_table[0], start, self.c)
+        return select_decode_tokens(scores, n_blocks, positions, self.c, self.topk)
+
     def forward(
         self, u, batch: ForwardBatch, cos, sin, attn_index: int, rotary, qk=None
     ) -> list[list[torch.Tensor]]:
@@ -100,7 +108,11 @@ class Indexer(nn.Module):
                 chunk.cache.write_block_keys(attn_index, first_block, self.block_key(blocks, starts, rotary))
             rest = keys[n_new * c :]
             tail[: rest.shape[0]].copy_(rest)
-            selected.append(self._select(q[s:e], batch.positions[s:e], chunk.cache.kv_view(attn_index)))
+            view = chunk.cache.kv_view(attn_index)
+            if batch.row_invariant:  # decode-sized work: the decode kernels, row by row (C1)
+                selected.append(self._select(q[s:e], batch.positions[s:e], view))
+            else:
+                selected.append(self._select_chunk(q[s:e], batch.positions[s:e], chunk.start, view))
         return selected
 
 
@@ -150,8 +162,13 @@ class QSAttention(nn.Module):
         outs = []
         for chunk, (s, e), tokens in zip(batch.chunks, batch.spans(), selected, strict=True):
             chunk.cache.write_kv(self.attn_index, chunk.start, k[s:e], v[s:e])
-            kv = chunk.cache.kv_view(self.attn_index).rows(e - s)
-            outs.append(paged_sparse_attention(q[s:e], kv.k, kv.v, kv.block_table, tokens, self.scaling))
+            kv = chunk.cache.kv_view(self.attn_index)
+            if ri:
+                kv = kv.rows(e - s)
+                outs.append(paged_sparse_attention(q[s:e], kv.k, kv.v, kv.block_table, tokens, self.scaling))
+            else:
+                table = kv.block_table[0]
+                outs.append(prefill_sparse_attention(q[s:e], kv.k, kv.v, table, tokens, self.scaling))
         return self._output(torch.cat(outs, dim=0), gate, ri)
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, rotary) -> torch.Tensor:

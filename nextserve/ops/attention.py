@@ -7,6 +7,8 @@ import torch
 from .pointwise import rowwise
 from .triton import use_kernel
 
+PREFILL_TILE = 32  # tokens a tile of a prefill row's attention (benchmarks/bench_qsa_prefill.py)
+
 
 def sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: list[torch.Tensor], scaling: float
@@ -68,6 +70,30 @@ def _index_scores_reference(q_idx, key_plane, block_table, n_blocks, max_blocks:
         scores = torch.matmul(q_idx[row].float(), keys.float().t())  # [Ni, nb]
         out[row, :nb] = torch.relu(scores.t()).sum(dim=-1) / scale
     return out
+
+
+def prefill_index_scores(
+    q_idx: torch.Tensor, key_plane: torch.Tensor, table_row: torch.Tensor, start: int, c: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer block scores of a prefill chunk's rows, positions start .. start+T-1 of one sequence:
+    q_idx [T, Ni, di]; key_plane [pages, bpp, di]; table_row [maxP] the sequence's block table.
+    Returns (scores [T, M] float32 as `index_scores` defines them, M at least the last row's block
+    count; n_blocks [T] int64, each row's complete blocks (position + 1) // c).
+
+    # On CUDA one Triton kernel over tiles of rows and blocks on tensor cores (ops/triton/qsa_prefill.py,
+    # for prefill chunks only: its bits differ from the decode kernel's); the per-row rule below is its
+    # reference and the CPU path.
+    """
+    T = q_idx.shape[0]
+    positions = torch.arange(start, start + T, device=q_idx.device)
+    n_blocks = torch.div(positions + 1, c, rounding_mode="floor")
+    if use_kernel(q_idx):
+        from .triton.qsa_prefill import triton_prefill_index_scores
+
+        return triton_prefill_index_scores(q_idx, key_plane, table_row, start, c), n_blocks
+    width = max(1, (start + T) // c)
+    table = table_row[None, :].expand(T, -1)
+    return _index_scores_reference(q_idx, key_plane, table, n_blocks, width), n_blocks
 
 
 def indexer_open_block(
@@ -170,6 +196,28 @@ def paged_sparse_attention(
 
         return triton_paged_sparse_attention(q, k_plane, v_plane, block_table, tokens, scaling)
     return _paged_sparse_attention_reference(q, k_plane, v_plane, block_table, tokens, scaling)
+
+
+def prefill_sparse_attention(
+    q: torch.Tensor,
+    k_plane: torch.Tensor,
+    v_plane: torch.Tensor,
+    table_row: torch.Tensor,
+    tokens: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """`paged_sparse_attention` of a prefill chunk's rows [T, Nq, D], which share one sequence's block
+    table table_row [maxP]. On CUDA the decode kernels with each row's token list in one split (a chunk
+    has rows enough to fill the GPU; no partial results to write and merge) and the table read in place
+    for every row; the same per-row reference."""
+    table = table_row[None, :].expand(q.shape[0], -1)  # [T, maxP], stride 0: no copy
+    if use_kernel(q):
+        from .triton.qsa_decode import triton_paged_sparse_attention
+
+        return triton_paged_sparse_attention(
+            q, k_plane, v_plane, table, tokens, scaling, tile=PREFILL_TILE, num_splits=1
+        )
+    return _paged_sparse_attention_reference(q, k_plane, v_plane, table, tokens, scaling)
 
 
 def _paged_sparse_attention_reference(q, k_plane, v_plane, block_table, tokens, scaling: float):

@@ -30,6 +30,32 @@ def causal_conv(
     return out, seq[-L:].t().contiguous() if L else history
 
 
+def conv_chunk(
+    x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1, silu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's conv: `causal_conv`, optionally followed by SiLU. Returns (out [T, C], the new
+    history [C, L]); the history passed in is not changed.
+
+    # On CUDA (not float64) one Triton launch over the chunk (ops/triton/conv_chunk.py: the taps in
+    # float32, rounded once, as the decode step computes them), equal to this reference to rounding.
+    """
+    if use_kernel(x, weight):
+        from .triton.conv_chunk import triton_conv_chunk
+
+        L = history.shape[-1]
+        out = triton_conv_chunk(x, history, weight, dilation, silu)
+        if L == 0:
+            return out, history
+        seq = (
+            x[-L:].t()
+            if x.shape[0] >= L
+            else torch.cat([history[:, x.shape[0] :], x.t().to(history.dtype)], 1)
+        )
+        return out, seq.to(history.dtype).contiguous()
+    out, new_history = causal_conv(x, history, weight, dilation)
+    return (F.silu(out) if silu else out), new_history
+
+
 def conv_step(
     x: torch.Tensor,
     state: torch.Tensor,

@@ -82,16 +82,17 @@ def triton_index_scores(
 
 @triton.jit(do_not_specialize=["L", "tiles_per_split", "stride_btb", "stride_tb", "stride_mb", "stride_mh"])
 def _paged_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, mo_ptr, mm_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, mo_ptr, mm_ptr, ml_ptr, o_ptr,
     L, tiles_per_split, page_size, qk_scale,
     stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-    stride_btb, stride_tb, stride_mob, stride_moh, stride_mos, stride_mb, stride_mh,
+    stride_btb, stride_tb, stride_mob, stride_moh, stride_mos, stride_mb, stride_mh, stride_ob, stride_oh,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    TILE: tl.constexpr, IEEE: tl.constexpr,
+    TILE: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): online softmax over the split's tiles of the row's token list,
-    for the kv head's REP query heads at once. Writes the unnormalised output, max and sum (log2)."""
+    for the kv head's REP query heads at once. Writes the unnormalised output, max and sum (log2);
+    DIRECT (one split) the normalised output itself, the bits the combine gives one split."""
     pdl_start(PDL)
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -143,10 +144,16 @@ def _paged_attn_split_kernel(
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    base = b * stride_mob + heads * stride_moh + s * stride_mos
-    tl.store(mo_ptr + base[:, None] + d[None, :], acc, mask=hm[:, None] & dm[None, :])
-    tl.store(mm_ptr + b * stride_mb + heads * stride_mh + s, m_i, mask=hm)
-    tl.store(ml_ptr + b * stride_mb + heads * stride_mh + s, l_i, mask=hm)
+    if DIRECT:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # one split: w = 1, den = l (combine's rule)
+        o_off = b * stride_ob + heads * stride_oh
+        o_m = hm[:, None] & dm[None, :]
+        tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=o_m)
+    else:
+        base = b * stride_mob + heads * stride_moh + s * stride_mos
+        tl.store(mo_ptr + base[:, None] + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+        tl.store(mm_ptr + b * stride_mb + heads * stride_mh + s, m_i, mask=hm)
+        tl.store(ml_ptr + b * stride_mb + heads * stride_mh + s, l_i, mask=hm)
 
 
 @triton.jit(do_not_specialize=["S", "stride_mb", "stride_mh"])
@@ -215,23 +222,27 @@ def triton_paged_sparse_attention(
     n_tiles = max(1, triton.cdiv(L, tile))
     tiles_per_split = triton.cdiv(n_tiles, num_splits)
     S = triton.cdiv(n_tiles, tiles_per_split)
-    mo = torch.empty((B, Nq, S, D), dtype=torch.float32, device=q.device)
-    mm = torch.empty((B, Nq, S), dtype=torch.float32, device=q.device)
-    ml = torch.empty((B, Nq, S), dtype=torch.float32, device=q.device)
+    direct = S == 1
+    # NOTE: one split writes the output itself (the combine's bits for one split): no partials
+    mo = torch.empty((B, Nq, 1 if direct else S, D), dtype=torch.float32, device=q.device)
+    mm = torch.empty((B, Nq, 1 if direct else S), dtype=torch.float32, device=q.device)
+    ml = torch.empty_like(mm)
     BLOCK_D = triton.next_power_of_2(D)
     _paged_attn_split_kernel[(B, Nkv, S)](
-        q, k_plane, v_plane, block_table, tokens, mo, mm, ml,
+        q, k_plane, v_plane, block_table, tokens, mo, mm, ml, out,
         L, tiles_per_split, P, scaling * LOG2E,
         q.stride(0), q.stride(1), k_plane.stride(0), k_plane.stride(1), k_plane.stride(2),
         v_plane.stride(0), v_plane.stride(1), v_plane.stride(2),
         block_table.stride(0), tokens.stride(0), mo.stride(0), mo.stride(1), mo.stride(2),
-        mm.stride(0), mm.stride(1),
+        mm.stride(0), mm.stride(1), out.stride(0), out.stride(1),
         REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_D=BLOCK_D, TILE=tile,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, **pdl_args(q),
+        IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, **pdl_args(q),
     )  # fmt: skip
-    _paged_attn_combine_kernel[(B, Nq)](
-        mo, mm, ml, out, S,
-        mo.stride(0), mo.stride(1), mo.stride(2), mm.stride(0), mm.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, BLOCK_S=triton.next_power_of_2(S), **pdl_args(mo),
-    )  # fmt: skip
+    if not direct:
+        _paged_attn_combine_kernel[(B, Nq)](
+            mo, mm, ml, out, S,
+            mo.stride(0), mo.stride(1), mo.stride(2), mm.stride(0), mm.stride(1),
+            out.stride(0), out.stride(1),
+            D=D, BLOCK_D=BLOCK_D, BLOCK_S=triton.next_power_of_2(S), **pdl_args(mo),
+        )  # fmt: skip
     return out

@@ -1,0 +1,72 @@
+"""The depthwise causal conv of a prefill chunk for CUDA: all T rows in one launch.
+Reference: `nextserve.ops.conv.conv_chunk` on the CPU (`causal_conv`, then SiLU).
+
+The torch reference runs a tap at a time over the whole chunk (K products and K-1 sums of [T, C], each a
+pass over memory in the model dtype, the products over a strided weight column): 65-110 ms of a 62.7K
+prompt's prefill at 8 layers. Here a program computes a tile of rows and channels, reading each input
+once per tap from L2, the taps in float32 in a fixed order (k = 0..K-1) with SiLU fused, as the decode
+step (`conv_step.py`) does: equal to the reference to rounding.
+
+# NOTE: tiles and warps are constants and T only sizes the grid: an element's bits depend on its own
+# inputs alone, so a chunk's result is the chunk's (C1). The history is only read here (the caller
+# stores the new one), so no program races another.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 16
+BLOCK_C = 256
+
+
+@triton.jit(do_not_specialize=["T", "stride_xt", "stride_ot"])
+def _conv_chunk(
+    x_ptr, hist_ptr, w_ptr, out_ptr, T, C, L,
+    stride_xt, stride_hc, stride_hl, stride_wc, stride_wk, stride_ot,
+    K: tl.constexpr, DIL: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    x_dtype = x_ptr.dtype.element_ty
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tm, cm = t < T, c < C
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(K):
+        w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=cm, other=0.0).to(x_dtype).to(tl.float32)
+        src = t - (K - 1 - k) * DIL  # [BLOCK_T] the input row of tap k; < 0: the history's column L + src
+        in_x = (src >= 0)[:, None] & tm[:, None] & cm[None, :]
+        in_h = (src < 0)[:, None] & tm[:, None] & cm[None, :]
+        xv = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xt + c[None, :], mask=in_x, other=0.0)
+        hv = tl.load(hist_ptr + c[None, :] * stride_hc + (L + src)[:, None] * stride_hl, mask=in_h, other=0.0)
+        val = tl.where(in_x, xv.to(tl.float32), hv.to(x_dtype).to(tl.float32))
+        if k == 0:
+            acc = val * w[None, :]
+        else:
+            acc = acc + val * w[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    out = out_ptr + t[:, None].to(tl.int64) * stride_ot + c[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
+def triton_conv_chunk(
+    x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1, silu: bool = False
+) -> torch.Tensor:
+    """x [T, C] (any row stride); history [C, L], L = (K-1)*dilation, read only; weight [C, K] ->
+    out [T, C] in x.dtype (SiLU applied if `silu`)."""
+    T, C = x.shape
+    K = weight.shape[-1]
+    assert history.shape == (C, (K - 1) * dilation), (history.shape, C, K, dilation)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))
+    _conv_chunk[grid](
+        x, history, weight, out, T, C, history.shape[1],
+        x.stride(0), history.stride(0), history.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        K=K, DIL=dilation, SILU=silu, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
+    )  # fmt: skip
+    return out
