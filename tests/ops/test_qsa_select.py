@@ -52,9 +52,12 @@ TINY_TILES = dict(radix_bits=7, tile_r=16, tile_s=8, tile_small=4, num_warps=1)
 @small
 @pytest.mark.parametrize("topk", [2, 5, 8])
 def test_tiny_widths_ties_and_tails(topk: int) -> None:
-    """M = 1..40 (below, at and above topk), n_blocks 0..M, tails of 0..c tokens, ties; the
-    default tiles and tiny ones."""
-    for M in range(1, 41):
+    """M from 1 to 40 (below, at and above topk, and at the tiny tiles' edges), n_blocks 0..M, tails of 0..c
+    tokens, ties; the default tiles and tiny ones."""
+    # NOTE: the widths around topk and each tiny tile's edge (4, 8, 16) and the ends; the interpreter runs
+    # a call in about 0.1 s, so not every width (a third of the CPU suite's longest test)
+    edges = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40}
+    for M in sorted(edges | {topk - 1, topk, topk + 1, topk + 2} - {0}):
         n_blocks = [0, min(M, topk), min(M, topk + 1), M, M // 2, M - 1]
         for i, (levels, relu) in enumerate([(None, False), (1, True), (2, False)]):
             tails = [-2, 0, 1, 3, 4, 9] if i == 2 else None  # arbitrary tails: clamped to 0..c tokens
