@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interp import needs_cuda
 
 from nextserve.ops.conv import causal_conv, conv_chunk
 from nextserve.ops.triton.conv_chunk import triton_conv_chunk
@@ -53,11 +54,7 @@ def test_conv_chunk_new_history_is_the_references(T: int, monkeypatch) -> None:
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
 
 
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@gpu
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 3, 4096])
 def test_cuda_conv_chunk_gdn_size(T: int) -> None:

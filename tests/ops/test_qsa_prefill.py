@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from triton_interp import needs_cuda
 
 from nextserve.ops.attention import (
     _index_scores_reference,
@@ -123,12 +124,8 @@ def test_prefill_attention_kernel_vs_reference(start: int, T: int) -> None:
 
 
 # ---- CUDA, real sizes, bf16 ---------------------------------------------------------------------------
-def gpu(fn):
-    no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-    return pytest.mark.gpu(no_cuda(fn))
-
-
-@gpu
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("start,T", [(0, 4096), (8192, 4096), (40960, 1260), (2000, 100)])
 def test_cuda_prefill_chunk_matches_reference_and_repeats(start: int, T: int) -> None:
     c, topk, scaling = REAL["c"], REAL["topk"], REAL["d"] ** -0.5

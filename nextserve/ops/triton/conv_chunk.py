@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import unit_stride
+
 BLOCK_T = 16
 BLOCK_C = 256
 
@@ -59,7 +61,7 @@ def triton_conv_chunk(
     T, C = x.shape
     K = weight.shape[-1]
     assert history.shape == (C, (K - 1) * dilation), (history.shape, C, K, dilation)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = unit_stride(x)
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     if T == 0:
         return out

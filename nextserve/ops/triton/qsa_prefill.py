@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import unit_stride
+
 BLOCK_T = 64  # rows of a tile
 BLOCK_J = 64  # blocks of a tile; the scores' width is a multiple of it
 
@@ -80,8 +82,7 @@ def triton_prefill_index_scores(
     -> [T, prefill_score_width] float32: sum_h relu(q_h . k_j) / sqrt(di) for the row's complete blocks
     j < (position + 1) // c, -inf after. Grid (T / BLOCK_T, width / BLOCK_J)."""
     T, NI, DI = q_idx.shape
-    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
-    key_plane = key_plane if key_plane.stride(-1) == 1 else key_plane.contiguous()
+    q_idx, key_plane = unit_stride(q_idx), unit_stride(key_plane)
     width = prefill_score_width(start, T, c)
     out = torch.empty((T, width), dtype=torch.float32, device=q_idx.device)
     if T == 0:
