@@ -5,11 +5,16 @@ and replayed from a CUDA graph, the useful TFLOP/s (2 * T*k * 3*I*H flops) and t
 the bytes of the distinct experts' weights (the floor: each active expert read once); a per-kernel time
 breakdown (torch.profiler) and a sweep of the block sizes. Routing: uniform (top-k of uniform scores) and
 skewed (scores plus a per-expert bias of std 1, some experts hot). Prints JSON; run on a CUDA machine:
-python benchmarks/bench_moe_prefill.py [--quick] [--tokens 4096 8192]"""
+python benchmarks/bench_moe_prefill.py [--quick] [--fp8] [--ab] [--tokens 4096 8192]
+
+--fp8: the experts block-wise FP8 (ops/fp8.py quantize; the kernels dequantize in their tiles), the
+bytes and the fp32 oracle those of the FP8 weights. --ab: each T's BLOCK_M candidates (AB) timed in turn,
+AB_ROUNDS rounds, medians (one sweep row after another drifts with the clocks of a warm GPU)."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import torch
@@ -17,6 +22,7 @@ import torch
 from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.bench.timing import graph_us as _graph_us
 from nextserve.bench.timing import kernel_us as _us
+from nextserve.ops.fp8 import Fp8Weight, quantize
 from nextserve.ops.moe import _experts_by_expert
 from nextserve.ops.triton.moe_grouped import default_block_m, grouped_experts
 
@@ -41,6 +47,19 @@ SWEEP = [
     {"block_m": 128, "warps": 8, "warps_down": 8, "stages": 3, "stages_down": 3},
     {"block_m": 128, "block_n": 128, "warps": 8, "warps_down": 8, "stages": 3, "stages_down": 3},
 ]
+
+AB = [{"block_m": 64}, {"block_m": 128, "warps": 8, "warps_down": 8}]
+AB_ROUNDS = 7
+
+
+def _ab(call) -> list[dict]:
+    """The AB configs' graph replay µs, interleaved over AB_ROUNDS rounds: medians and the spread."""
+    times: list[list[float]] = [[] for _ in AB]
+    for _ in range(AB_ROUNDS):
+        for i, cfg in enumerate(AB):
+            times[i].append(_graph_us(lambda cfg=cfg: call(**cfg)))
+    return [{**cfg, "median_us": statistics.median(t), "min_us": min(t), "max_us": max(t)}
+            for cfg, t in zip(AB, times, strict=True)]  # fmt: skip
 
 
 def _breakdown(fn) -> dict[str, float]:
@@ -70,7 +89,7 @@ def _routing(T: int, skewed: bool, g: torch.Generator, dev: torch.device):
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
+    quick, fp8, ab = "--quick" in sys.argv, "--fp8" in sys.argv, "--ab" in sys.argv
     tokens = (
         [int(t) for t in sys.argv[sys.argv.index("--tokens") + 1 :]] if "--tokens" in sys.argv else TOKENS
     )
@@ -78,7 +97,10 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=g) / H**0.5).to(torch.bfloat16)
     down = (torch.randn(E, H, I, device=dev, generator=g) / I**0.5).to(torch.bfloat16)
-    gate_up32, down32 = gate_up.float(), down.float()
+    expert_bytes = EXPERT_BYTES // 2 if fp8 else EXPERT_BYTES
+    if fp8:
+        gate_up, down = Fp8Weight(*quantize(gate_up)), Fp8Weight(*quantize(down))
+    gate_up32, down32 = (w.dequantize(torch.float32) if fp8 else w.float() for w in (gate_up, down))
     rows = []
     for skewed in (False, True):
         for T in tokens:
@@ -89,7 +111,8 @@ def main() -> None:
             flops = 2 * T * K * 3 * I * H
             row = {"T": T, "k": K, "routing": "skewed" if skewed else "uniform",
                    "distinct_experts": distinct, "max_pairs_per_expert": int(counts.max()),
-                   "default_block_m": default_block_m(T * K, E), "bytes_distinct": distinct * EXPERT_BYTES,
+                   "default_block_m": default_block_m(T * K, E, fp8),
+                   "bytes_distinct": distinct * expert_bytes,
                    "useful_GFLOP": round(flops / 1e9, 2)}  # fmt: skip
             call = lambda x=x, w=w, ids=ids, **cfg: grouped_experts(x, w, ids, gate_up, down, **cfg)  # noqa: E731
             ref = _experts_by_expert(x, w, ids, gate_up, down)
@@ -112,6 +135,8 @@ def main() -> None:
                 )
             row["speedup_vs_reference"] = round(row["reference_loop_us"] / row["triton_us"], 1)
             row["kernel_us"] = _breakdown(call)
+            if ab and not skewed:
+                row["ab"] = _ab(call)
             if not quick and not skewed:
                 sweep = []
                 for cfg in SWEEP:
@@ -125,6 +150,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "block_sweep"}), file=sys.stderr)
     out = {"benchmark": "moe_prefill", "git": git_info(None), "hardware": hardware(dev),
            "command": " ".join(["python", *sys.argv]), "sizes": {"H": H, "E": E, "k": K, "I": I},
+           "weights": "fp8" if fp8 else "bf16",
            "copy_bandwidth": copy_bandwidth(dev, 1 << 30), "rows": rows}  # fmt: skip
     print(json.dumps(out, indent=1))
 

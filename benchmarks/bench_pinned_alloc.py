@@ -1,7 +1,9 @@
 """What a spill to the host image store costs the engine's thread: fresh pinned host allocations of an
-image's size (as the copy worker makes them while the store grows), alone and on a second thread while the
-main thread launches small kernels (a prefill's pattern), against the main thread alone; and a pageable
-device-to-host copy of the same size on the second thread. Prints JSON; run on a CUDA machine:
+image's size (as the copy worker of session 15 made them while the store grew), alone and on a second thread
+while the main thread launches small kernels (a prefill's pattern), against the main thread alone; a
+pageable device-to-host copy of the same size on the second thread; and what the store does now: a region
+carved out of the host arena locked at start (cache/pinned_arena.py) and an async copy into it, between the
+main thread's launches. Prints JSON; run on a CUDA machine:
 
     python benchmarks/bench_pinned_alloc.py [--mib 25] [--count 20]
 """
@@ -16,6 +18,7 @@ import time
 import torch
 
 from nextserve.bench import hardware
+from nextserve.cache.pinned_arena import PinnedArena
 
 
 def main() -> None:
@@ -82,6 +85,25 @@ def main() -> None:
         torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
     regs.clear()
     keep.clear()
+    t = time.perf_counter()
+    arena = PinnedArena(n * args.count)
+    res["arena_lock_s"] = time.perf_counter() - t
+    regions = []
+
+    def launches_with_arena_copies(count: int = 3000) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(count):
+            x[:16].mul_(1.0)
+            if i % (count // args.count) == 0 and len(regions) < args.count:
+                region = arena.alloc(n)
+                region.take((n,), torch.uint8).copy_(src, non_blocking=True)
+                regions.append(region)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    res["main_with_arena_copies_s"] = launches_with_arena_copies()
+    regions.clear()
     res["main_after_s"] = launches()
     print(json.dumps({"hardware": hardware(dev)} | res, indent=1))
 

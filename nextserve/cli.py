@@ -48,15 +48,16 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "(a model directory without a tokenizer needs this flag)",
     "host_state_slots": "prefix images kept in host memory when the device keeps no more (0: off; auto: 64 "
     "when prefix reuse is on and the host has twice --host-kv-mib available); a prompt resumes from them "
-    "as from device images (the copies run beside the engine: a copy worker pins the memory, a copy stream "
-    "moves the bytes)",
+    "as from device images (the copies run beside the engine: a copy stream moves the bytes into host "
+    "memory locked once at start)",
     "warm_up": "compile every kernel specialisation a request can meet at start (prefill chunks from "
     "position 0 and from an image, of each length class), before /health says ready; GPU only "
     "(--no-warm-up: skip)",
     "compile_cache_dir": "directory for Triton's compiled kernels (default: Triton's own, ~/.triton/cache): "
     "a restart with the same directory compiles nothing",
     "host_kv_mib": "host memory (MiB) for the host image store and the copies of preempted sequences "
-    "(these first: images give way to them)",
+    "(these first: images give way to them); on a GPU it is page-locked once at start when the host has "
+    "twice that available",
     "cuda_graph": "replay each decode step (and, when speculating, each step's verify windows) as a "
     "CUDA graph per batch-size bucket (GPU only; --no-cuda-graph runs the same kernels eagerly)",
     "speculative_method": "off; ngram: propose draft tokens by looking the last 3 (then 2) tokens up "

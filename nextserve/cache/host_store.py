@@ -6,59 +6,74 @@ image would have (C1)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .kv_pool import KVPool
+from .pinned_arena import ArenaRegion, PinnedArena, region_bytes
 from .sequence import SequenceImage, release_image
 
 
 @dataclass
 class HostImage:
     """A SequenceImage's contents in host memory: its state slot copy and its pages' planes. From a CUDA
-    pool the copy worker allocates them (pinned) and a copy stream fills them: `job` until the worker is
-    done (`complete`), then `ready`, recorded once the copies are."""
+    pool they are pinned (a region of the pool's host arena when it has room) and a copy stream fills
+    them: `ready` is recorded once the copies are."""
 
     length: int
-    state: dict[str, torch.Tensor] | None
-    k: torch.Tensor | None  # [n_attn, n_pages, P, Nkv, D]
-    v: torch.Tensor | None
-    block_keys: torch.Tensor | None  # [n_attn, n_pages, P // c, di]
+    state: dict[str, torch.Tensor]
+    k: torch.Tensor  # [n_attn, n_pages, P, Nkv, D]
+    v: torch.Tensor
+    block_keys: torch.Tensor  # [n_attn, n_pages, P // c, di]
     ready: torch.cuda.Event | None = None
-    job: Future | None = None
-    n_pages: int = -1  # (given with a job; else read from k)
-    nbytes: int = -1
-    state_names: tuple[str, ...] = ()  # the state's keys, in the job's order
+    region: ArenaRegion | None = None  # NOTE: the tensors are views of it: it lives as long as they
+    n_pages: int = field(init=False)
+    nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.job is None:
-            tensors = [self.k, self.v, self.block_keys, *self.state.values()]
-            self.n_pages = self.k.shape[1]
-            self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-
-    def complete(self) -> HostImage:
-        """The image with its tensors (waiting for the copy worker, not for the copies)."""
-        if self.job is not None:
-            (self.k, self.v, self.block_keys, *rest), self.ready = self.job.result()
-            self.state, self.job = dict(zip(self.state_names, rest, strict=True)), None
-        return self
+        tensors = [self.k, self.v, self.block_keys, *self.state.values()]
+        self.n_pages = self.k.shape[1]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
-_copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextserve-host-copy")
 
 
-def _copy_out(
-    tensors: list[torch.Tensor], gathered: torch.cuda.Event
-) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-    """(On the copy worker.) Pinned host copies of `tensors` once `gathered` has passed, on the device's
-    copy stream, and the event recorded after them."""
-    dev = tensors[0].device
-    with torch.cuda.device(dev):
+def _host_tensors(tensors: list[torch.Tensor], arena: PinnedArena | None) -> tuple[list, ArenaRegion | None]:
+    """Uninitialised host tensors shaped like `tensors`: in one region of `arena` when there is one with
+    (or able to reclaim) room, else fresh (pinned for a CUDA pool: the slow path, a driver call that holds
+    up the engine)."""
+    shapes = [(t.shape, t.dtype) for t in tensors]
+    region = arena.alloc(region_bytes(shapes)) if arena is not None else None
+    if region is not None:
+        return [region.take(s, d) for s, d in shapes], region
+    pin = tensors[0].is_cuda
+    return [torch.empty(s, dtype=d, pin_memory=pin) for s, d in shapes], None
+
+
+def to_host(pool: KVPool, length: int, state: dict[str, torch.Tensor], pages: list[int]) -> HostImage:
+    """A host copy of a slot state and of the pages' k, v and block-key planes [n_attn, n_pages, ...].
+
+    # NOTE: from a CUDA pool the engine's thread only gathers the pages on the device (its current
+    # stream) and queues the copies to host memory on a copy stream, into a region of the pool's pinned
+    # host arena (locked once at start: cache/pinned_arena.py). The gathered copies are what is read, so
+    # the pool pages may be freed and rewritten at once (later writes run on the current stream, after
+    # the gather); each is kept from reuse until the copy stream is past it (record_stream)."""
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
+    planes = [plane[:, idx] for plane in (pool.k, pool.v, pool.block_keys)]
+    names = list(state)
+    tensors = planes + [state[n] for n in names]
+    out, region = _host_tensors(tensors, pool.host_arena)
+    ready = None
+    if not pool.k.is_cuda:
+        for host, t in zip(out, tensors, strict=True):
+            host.copy_(t)
+    else:
+        dev = pool.k.device
+        gathered = torch.cuda.Event()
+        gathered.record()
         stream = _copy_streams.get(dev) or _copy_streams.setdefault(dev, torch.cuda.Stream(dev))
-        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         with torch.cuda.stream(stream):
             stream.wait_event(gathered)
             for host, t in zip(out, tensors, strict=True):
@@ -66,43 +81,26 @@ def _copy_out(
                 t.record_stream(stream)
             ready = torch.cuda.Event()
             ready.record(stream)
-    return out, ready
-
-
-def to_host(pool: KVPool, length: int, state: dict[str, torch.Tensor], pages: list[int]) -> HostImage:
-    """A host copy of a slot state and of the pages' k, v and block-key planes [n_attn, n_pages, ...].
-
-    # NOTE: from a CUDA pool the engine's thread only gathers the pages on the device (its current
-    # stream) and hands the rest to the copy worker: pinning fresh host memory costs about as much as the
-    # copy itself (session 14 measured a preemption's 412 MB at 0.216 s, all of it on the engine's
-    # thread), and the copy then runs on a copy stream. The gathered copies are what is read, so the pool
-    # pages may be freed and rewritten at once (later writes run on the current stream, after the
-    # gather); each is kept from reuse until the copy stream is past it (record_stream)."""
-    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
-    planes = [plane[:, idx] for plane in (pool.k, pool.v, pool.block_keys)]
-    names = list(state)
-    tensors = planes + [state[n] for n in names]
-    if not pool.k.is_cuda:
-        copies = [t.to("cpu", copy=True) for t in tensors]
-        return HostImage(length, dict(zip(names, copies[3:], strict=True)), *copies[:3])
-    gathered = torch.cuda.Event()
-    gathered.record()
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    job = _copy_worker.submit(_copy_out, tensors, gathered)
-    return HostImage(length, None, None, None, None, None, job, len(pages), nbytes, tuple(names))
+        if region is not None:
+            region.events.append(ready)
+    return HostImage(length, dict(zip(names, out[3:], strict=True)), *out[:3], ready, region)
 
 
 def into_pool(pool: KVPool, pages: list[int], host: HostImage) -> dict[str, torch.Tensor]:
     """Write a host image's planes into the pool's `pages` (bit for bit); its slot state on the pool's
     device. On CUDA the current stream first waits for the image's copy to be complete."""
     dev = pool.k.device
-    host.complete()
     if host.ready is not None:
         torch.cuda.current_stream(dev).wait_event(host.ready)
     idx = torch.tensor(pages, dtype=torch.long, device=dev)
     for plane, planes in ((pool.k, host.k), (pool.v, host.v), (pool.block_keys, host.block_keys)):
         plane[:, idx] = planes.to(dev, non_blocking=True)
-    return {name: t.to(dev, copy=True, non_blocking=True) for name, t in host.state.items()}
+    state = {name: t.to(dev, copy=True, non_blocking=True) for name, t in host.state.items()}
+    if host.region is not None and host.ready is not None:  # not handed out again before these reads
+        read = torch.cuda.Event()
+        read.record()
+        host.region.events.append(read)
+    return state
 
 
 def spill(pool: KVPool, image: SequenceImage) -> HostImage:
@@ -152,8 +150,7 @@ class HostImageStore:
         while self._entries and (
             len(self._entries) > self.max_images or self.nbytes > self.max_bytes - self.reserved
         ):
-            _, (_, old) = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            self.evict_lru()
 
     def get(self, key: bytes, tokens: tuple) -> HostImage | None:
         """The image of exactly `tokens` (the tokens are compared: a hash collision never resumes)."""
@@ -162,6 +159,14 @@ class HostImageStore:
             return None
         self._entries.move_to_end(key)
         return entry[1]
+
+    def evict_lru(self) -> bool:
+        """Drop the least recently used image (the host arena's `reclaim`); False when none is left."""
+        if not self._entries:
+            return False
+        _, (_, old) = self._entries.popitem(last=False)
+        self.nbytes -= old.nbytes
+        return True
 
     def drop(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)

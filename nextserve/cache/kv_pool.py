@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .pinned_arena import PinnedArena
 
 
 def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int:
@@ -54,6 +55,8 @@ class KVPool:
         # refcount > 1 and are copied before a write (copy-on-write).
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        # where host copies of these pages go (cache/host_store.py); set by the engine on a CUDA pool
+        self.host_arena: PinnedArena | None = None
 
     def planes(self, attn_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K, V, compressed indexer keys) of one attention layer (model-wide index), every page."""

@@ -28,6 +28,7 @@ from .setup import (
     capture_graphs,
     check_pipeline,
     check_state_memory,
+    host_arena,
     kv_capacity,
     load_engine_model,
     load_tokenizer,
@@ -90,6 +91,9 @@ class LLMEngine:
             self.model.prepare(self.max_context)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
             self.plan.kv_tokens, self.plan.prefix_images = capacity, images
+        self.pool.host_arena = host_arena(config, self.pool)
+        if self.plan is not None:
+            self.plan.host_arena = self.pool.host_arena.nbytes if self.pool.host_arena is not None else 0
             log.info("%s", self.plan.table())
         self.prefix = build_prefix(config, self.pool, images)
         proposer = make_proposer(config)
@@ -97,6 +101,8 @@ class LLMEngine:
         # the MTP row of a sequence's last committed token trails it (in one process or on the last stage)
         lag = int(config.speculative_method == "mtp")
         host_store = self.prefix.host if self.prefix is not None else None
+        if self.pool.host_arena is not None and host_store is not None:
+            self.pool.host_arena.reclaim = host_store.evict_lru  # prefix images make room first
         swapper = Swapper(self.pool, self.slots, lag, config.host_kv_mib * 2**20, host_store)
         lookahead = max(config.decode_groups, steps + 1) + 1
         self.scheduler = Scheduler(

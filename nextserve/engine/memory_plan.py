@@ -55,6 +55,7 @@ class MemoryPlan:
     kv_tokens: int = 0
     prefix_images: int = 0  # state copies kept for prefix reuse (taken out of the KV pool's memory)
     headroom: int = 0
+    host_arena: int = 0  # pinned host memory for host images and preempted sequences (cache/pinned_arena.py)
     free_at_start: int | None = None  # device memory free before loading (CUDA)
 
     def device_bytes(self) -> int:
@@ -92,6 +93,10 @@ class MemoryPlan:
             lines.append(
                 f"  prefix images: {self.prefix_images} x {gib(self.slot_bytes)} = "
                 f"{gib(self.prefix_images * self.slot_bytes)} of state copies (their pages are the pool's)"
+            )
+        if self.host_arena:
+            lines.append(
+                f"  host arena (host images, preempted sequences): {gib(self.host_arena)} pinned on the host"
             )
         if self.device.type == "cuda":
             lines.append(f"  headroom (CUDA graphs, activations): {gib(self.headroom)}")

@@ -3,12 +3,15 @@ slots) and the KV pool's size, and the CUDA graphs it captures (engine/engine.py
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
 
 from ..cache.host_store import HostImageStore
 from ..cache.kv_pool import KVPool, kv_bytes_per_token
+from ..cache.pinned_arena import PinnedArena
 from ..cache.prefix import PrefixCache
 from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, EngineConfig, ModelConfig
@@ -23,6 +26,8 @@ from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
 from .memory_plan import MemoryPlan, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
+
+log = logging.getLogger("nextserve.engine")
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -204,17 +209,45 @@ def prefix_images(config: EngineConfig, pool_bytes: int, slot_bytes: int) -> int
     return int(max(1, min(MAX_AUTO_IMAGES, pool_bytes // IMAGE_SHARE // max(1, slot_bytes))))
 
 
+def _host_has_room(config: EngineConfig) -> bool:
+    """Whether the host has twice --host-kv-mib available (MemAvailable)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return avail >= 2 * config.host_kv_mib * 2**20
+
+
 def host_images(config: EngineConfig) -> int:
     """--host-state-slots resolved: auto is AUTO_HOST_IMAGES when the host has twice --host-kv-mib
     available (MemAvailable), else 0."""
     if config.host_state_slots != "auto":
         return int(config.host_state_slots)
+    return AUTO_HOST_IMAGES if _host_has_room(config) else 0
+
+
+def host_arena(config: EngineConfig, pool: KVPool) -> PinnedArena | None:
+    """The pinned host memory host images are carved from (--host-kv-mib, locked now): for a CUDA pool
+    when the host has room (twice that available), else None (each copy then pins its own memory)."""
+    if not pool.k.is_cuda or config.host_kv_mib == 0:
+        return None
+    if not _host_has_room(config):
+        log.warning(
+            "host memory for --host-kv-mib %d not locked at start (less than twice that is available): "
+            "each spilled image or preempted sequence pins its own, holding up the engine",
+            config.host_kv_mib,
+        )
+        return None
+    t = time.perf_counter()
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
-    return AUTO_HOST_IMAGES if avail >= 2 * config.host_kv_mib * 2**20 else 0
+        arena = PinnedArena(config.host_kv_mib * 2**20)
+    except MemoryError as e:
+        log.warning("host memory for --host-kv-mib not locked at start: %s", e)
+        return None
+    took = time.perf_counter() - t
+    log.info("locked %d MiB of host memory for host images in %.2f s", config.host_kv_mib, took)
+    return arena
 
 
 def build_prefix(config: EngineConfig, pool: KVPool, images: int) -> PrefixCache | None:

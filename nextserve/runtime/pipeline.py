@@ -141,11 +141,12 @@ class PipelineRunner(StageWorker):
     ) -> None:  # fmt: skip
         cfg, dtype, kind = model.cfg, pool.k.dtype, config.stage_transport_kind()
         port = free_port()
+        arena_mib = pool.host_arena.nbytes >> 20 if pool.host_arena is not None else 0
         setups = [
             StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
                        pool.page_size, rank, len(stages), port, torch.get_num_threads(), str(devices[rank]),
                        kind, config.pdl, max_context, config.cuda_graph, slots.window_steps,
-                       config.quantization, mtp_tokens(config), config.head_embedding)
+                       config.quantization, mtp_tokens(config), config.head_embedding, arena_mib)
             for rank in range(1, len(stages))
         ]  # fmt: skip
         channel, self.procs = start_stages(setups, port)

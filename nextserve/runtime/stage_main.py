@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..cache.pinned_arena import PinnedArena
 from .mtp_runner import load_head_embedding, load_mtp
 from .pipeline import build_stage
 from .stage_channel import StageChannel
@@ -44,6 +45,8 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
         setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,
     )  # fmt: skip
+    if device.type == "cuda" and setup.host_arena_mib:
+        pool.host_arena = PinnedArena(setup.host_arena_mib * 2**20)  # (full: a copy pins its own)
     mtp = embed = None
     if setup.mtp_tokens and setup.layers.stop == setup.cfg.num_hidden_layers:  # the MTP block's stage
         mtp = load_mtp(setup.model_dir, setup.cfg, setup.dtype, device, setup.quantization)

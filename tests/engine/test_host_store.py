@@ -7,6 +7,7 @@ import torch
 from test_prefix_reuse import GREEDY, SEEDED, _ids, _pool_full_after_clear, _run, _same
 
 from nextserve.cache.host_store import HostImage, HostImageStore
+from nextserve.cache.pinned_arena import ALIGN, PinnedArena
 from nextserve.config import ConfigError, EngineConfig
 
 ONE_ON_DEVICE = dict(prefix_cache_images=1, host_state_slots=4)
@@ -74,3 +75,30 @@ def test_host_store_needs_the_prefix_cache() -> None:
     EngineConfig(prefix_cache=False)  # host_state_slots auto: off with prefix reuse
     with pytest.raises(ConfigError, match="host_kv_mib"):
         EngineConfig(prefix_cache_images=2, host_state_slots=2, host_kv_mib=-1)
+
+
+def test_images_in_a_full_host_arena_take_the_regions_of_dropped_ones(oracle_llm, solo_run) -> None:
+    """The store's copies carved from a host arena (plain memory here; pinned on a GPU) with room for two
+    or three images: each spill past that drops the least recently used image (the arena's reclaim) and
+    takes its region; nothing is allocated apart, and resumes stay exact."""
+    llm = oracle_llm(prefix_cache_images=1, host_state_slots=16)
+    eng = llm.engine
+    one = eng.pool.pages_for(64) * eng.pool.page_bytes + eng.slots.slot_nbytes
+    arena = PinnedArena(
+        0, buffer=torch.zeros(-(-5 * one // 2 // ALIGN) * ALIGN + 2 * ALIGN, dtype=torch.uint8)
+    )
+    eng.pool.host_arena, arena.reclaim = arena, eng.prefix.host.evict_lru
+    bases = [_ids(70, 40 + i) for i in range(5)]
+    for base in bases:
+        _run(llm, base, GREEDY)
+        images = [img for _, img in eng.prefix.host._entries.values()]
+        assert all(img.region is not None for img in images)
+        assert arena.used == sum(img.region.nbytes for img in images)
+        del images  # (a reference here would keep a dropped image's region)
+    assert 1 <= len(eng.prefix.host) <= 3
+    for base in reversed(bases):
+        prompt = base + [5, 6]
+        _same(_run(llm, prompt, GREEDY), solo_run(prompt, GREEDY))
+    assert llm.stats()["host_image_hits"] >= 1
+    _pool_full_after_clear(llm)
+    assert arena.used == 0

@@ -73,3 +73,9 @@ def test_ple_table_flag_values():
         EngineConfig(quantization=good)
     with pytest.raises(ConfigError, match="quantization"):
         EngineConfig(quantization="int4")
+
+
+def test_the_table_names_the_host_arena():
+    plan = MemoryPlan(torch.device("cuda", 0), slot_bytes=2**20, slots=3, headroom=GiB, host_arena=4 * GiB)
+    assert "host arena (host images, preempted sequences): 4.00 GiB pinned on the host" in plan.table()
+    assert "host arena" not in MemoryPlan(torch.device("cpu"), slot_bytes=2**20, slots=3).table()

@@ -14,6 +14,17 @@ pytestmark = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
+def _arena_holds_the_store_alone(llm: LLM) -> None:
+    """Every host image is a region of the host arena (no pinned allocation per copy), and the arena
+    holds nothing else once no sequence is preempted."""
+    arena, prefix = llm.engine.pool.host_arena, llm.engine.prefix
+    assert arena is not None
+    store = prefix.host if prefix is not None else None  # (a PrefixCache of no images is falsy)
+    images = [img for _, img in store._entries.values()] if store is not None else []
+    assert all(img.region is not None for img in images)
+    assert arena.used == sum(img.region.nbytes for img in images)
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(8, 500, (n,), generator=g).tolist() for n in (5, 37, 70, 101, 140)]
@@ -93,6 +104,7 @@ def test_growth_and_preemption_on_cuda_equal_a_roomy_pool(tiny_model_dir, graph:
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids and len(a.prompt_token_ids) + len(a.token_ids) == 256
         assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
+    _arena_holds_the_store_alone(tight)
     assert_pool_full(tight)
 
 
@@ -118,4 +130,31 @@ def test_host_image_store_on_cuda_resumes_exactly(tiny_model_dir, graph: bool) -
         assert got.token_ids == want.token_ids
         assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
     assert store.stats()["host_image_hits"] >= 3
+    _arena_holds_the_store_alone(store)
+    assert_pool_full(store)
+
+
+def test_a_full_host_arena_reuses_the_regions_of_dropped_images(tiny_model_dir) -> None:
+    """A host arena of 1 MiB (a dozen tiny images): spilling images of many sizes drops the least
+    recently used ones and carves the new copies out of their regions (once their copies are done), never
+    pinning memory of their own; resumes stay exact."""
+    g = torch.Generator().manual_seed(6)
+    bases = [torch.randint(8, 500, (70 + 9 * i,), generator=g).tolist() for i in range(24)]
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=8192,
+                 max_context=1024, max_concurrency=2)  # fmt: skip
+    store = LLM(tiny_model_dir, prefix_cache_images=1, host_state_slots=64, host_kv_mib=1, **flags)
+    cold = LLM(tiny_model_dir, prefix_cache=False, **flags)
+    arena, host = store.engine.pool.host_arena, store.engine.prefix.host
+    for base in bases:
+        store.generate([base], GREEDY)
+        _arena_holds_the_store_alone(store)
+    assert 1 <= len(host) < len(bases) and arena.nbytes == 2**20
+    for base in reversed(bases):  # the most recent first: those still held resume
+        prompt = base + [7] * 9
+        (got,) = store.generate([prompt], GREEDY)
+        (want,) = cold.generate([prompt], GREEDY)
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+    assert store.stats()["host_image_hits"] >= 1
+    _arena_holds_the_store_alone(store)
     assert_pool_full(store)

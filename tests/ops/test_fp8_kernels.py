@@ -146,6 +146,10 @@ def test_fp8_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype)
     w2, ids2 = route(logits[:, :E], k, True)
     pre = grouped_experts(x, w2, ids2, gu, dn)
     _same_or_close(pre, grouped_experts(x, w2, ids2, deq[0], deq[1]), dtype)
+    wide = grouped_experts(x, w, ids, gu, dn, block_m=128, shared=(sgu, sdn))  # 8 warps, the shared expert
+    _same_or_close(
+        wide, grouped_experts(x, w, ids, deq[0], deq[1], block_m=128, shared=(deq[2], deq[3])), dtype
+    )
 
 
 @pytest.mark.gpu

@@ -44,6 +44,7 @@ def test_matches_reference(dtype, shape, tol) -> None:
         dict(block_m=16, block_n=16, block_k=16, block_n_down=16, block_k_down=16, block_h_combine=16),
         dict(block_m=32, block_n=32, block_k=32, block_n_down=32, block_k_down=32),
         dict(block_m=64, block_n=64, block_k=64, block_n_down=64, block_k_down=64),
+        dict(block_m=128, block_n=32, block_k=32, block_n_down=32, block_k_down=32),  # 8 warps
         dict(block_m=16, block_n=64, block_k=128, block_n_down=128, block_k_down=64),  # blocks > sizes
     ],
 )
@@ -119,6 +120,10 @@ def test_default_block_m() -> None:
     assert default_block_m(1024 * 10, 512) == 32
     assert default_block_m(40 * 2, 8) == 32
     assert default_block_m(4096 * 10, 512) == 64
+    assert default_block_m(2048 * 10, 512, fp8=True) == 64
+    assert default_block_m(3276 * 10, 512, fp8=True) == 64  # 63.98 pairs an expert
+    assert default_block_m(3277 * 10, 512, fp8=True) == 128
+    assert default_block_m(8192 * 10, 512, fp8=True) == 128
 
 
 def test_cpu_path_is_the_reference() -> None:
@@ -165,7 +170,7 @@ def test_bf16_matches_reference(real_problem, real_weights_fp32, tokens: int) ->
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_bf16_block_m(real_problem, real_weights_fp32, block_m: int) -> None:
     _check_real(*real_problem, real_weights_fp32, block_m=block_m)
 

@@ -48,8 +48,8 @@ run the same kernels:
 # included) are part of the numerics, so its bits are fixed for a given T, not row by row. At 64
 # tokens or more a chunk touches most of the 512 experts (5 GB of bf16 a layer): the call is bound by
 # reading each active expert's weights once (about 1 ms on an H200), so its tiles are wider (gate/up
-# 64 x 64, down 128 x 64) and BLOCK_M follows the mean pairs per expert (16 to 64): a smaller BLOCK_M
-# only saves MMA work on the mostly empty blocks. benchmarks/bench_moe_prefill.py sweeps them.
+# 64 x 64, down 128 x 64) and BLOCK_M follows the mean pairs per expert (16 to 64; FP8 up to 128): a
+# smaller BLOCK_M only saves MMA work on the mostly empty blocks. benchmarks/bench_moe_prefill.py sweeps them.
 # NOTE: speed at the real sizes (H=2560, I=640, E=512, k=10, bf16: 9.8 MB of weights an expert) on an
 # H200. Decode is bound by streaming the distinct experts' weights (M=1: 10 experts, 98 MB; M=32: ~240
 # experts, 2.4 GB); a block holds 1.0-1.4 real pairs on average at M <= 32, so the MMA rows are mostly
@@ -450,11 +450,15 @@ def grouped_decode_experts(
     )  # fmt: skip
 
 
-def default_block_m(pairs: int, num_experts: int) -> int:
+def default_block_m(pairs: int, num_experts: int, fp8: bool = False) -> int:
     """Prefill's BLOCK_M for n pairs over E experts: about the mean pairs per expert, 16 to 64 (the MMA
     rows of a mostly empty block are wasted; an expert with more pairs than BLOCK_M is cut into more
-    blocks)."""
+    blocks). FP8 experts take 128 (with 8 warps) from 64 pairs an expert on (a 4096-token chunk of
+    Flash-Next: 80): BENCHMARKS.md session 16 measured 1.23x there, where bf16 gained 1.03x alone and
+    nothing in a whole prefill, and neither gained at 8192 tokens."""
     mean = pairs / max(num_experts, 1)
+    if fp8 and mean >= 64:
+        return 128
     return 16 if mean <= 8 else 32 if mean <= 24 else 64
 
 
@@ -469,8 +473,8 @@ def grouped_experts(
     block_k: int = 64,
     block_n_down: int = 128,
     block_k_down: int = 64,
-    warps: int = 4,
-    warps_down: int = 4,
+    warps: int | None = None,
+    warps_down: int | None = None,
     stages: int = 4,
     stages_down: int = 4,
     block_h_combine: int = 512,
@@ -482,9 +486,11 @@ def grouped_experts(
 
     Deterministic (no atomics) and free of host reads, the kernels of `grouped_decode_experts` with
     prefill's blocks and the pairs sorted by torch.sort. block_m None picks it from T*k/E
-    (`default_block_m`); the block sizes are part of the numerics. A repeated id in a row is still
-    summed, in slot order, as the reference does."""
-    bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
+    (`default_block_m`), warps None 8 with a BLOCK_M of 128, else 4; the block sizes are part of the
+    numerics. A repeated id in a row is still summed, in slot order, as the reference does."""
+    bm = block_m or default_block_m(ids.numel(), gate_up.shape[0], isinstance(gate_up, Fp8Weight))
+    warps = warps or (8 if bm >= 128 else 4)
+    warps_down = warps_down or (8 if bm >= 128 else 4)
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared,
