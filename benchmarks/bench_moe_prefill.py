@@ -23,8 +23,8 @@ from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.bench.timing import graph_us as _graph_us
 from nextserve.bench.timing import kernel_us as _us
 from nextserve.ops.fp8 import Fp8Weight, quantize
-from nextserve.ops.moe import _experts_by_expert
-from nextserve.ops.triton.moe_grouped import default_block_m, grouped_experts
+from nextserve.ops.moe import _experts_by_expert, default_block_m
+from nextserve.ops.triton.moe_grouped import grouped_experts
 
 H, E, K, I = 2560, 512, 10, 640
 EXPERT_BYTES = 3 * I * H * 2  # gate, up and down rows of one expert, bf16

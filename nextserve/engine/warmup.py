@@ -8,7 +8,10 @@ prefill chunk was the first whose length was not a multiple of 16).
 # prefill_chunk tokens, of 1 and of 17 tokens (and 32: a multiple of 16 that is not the chunk), and the
 # same two kinds again past FLA_MIN_TOKENS (16-bit GDN chunks that long run fla's chunked kernels,
 # ops/gdn.py, autotuned at their first call: here), where the chunk is longer, cold and,
-# with prefix reuse on, resumed from an image; each decodes two tokens. Then it drops its images and
+# with prefix reuse on, resumed from an image; each decodes two tokens. The routed experts' prefill
+# kernel also takes a BLOCK_M from the chunk's length (ops/moe.py default_block_m: at Flash-Next's
+# widths 16 up to 409 tokens, 32 up to 1,228, 64, and 128 for FP8 experts from 3,277), so each class of
+# lengths it meets below the chunk gets its two kinds too (`tail_lengths`). Then it drops its images and
 # counters: the engine starts as if nothing ran.
 """
 
@@ -17,9 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from ..model.moe import SparseMoe
+from ..ops.fp8 import Fp8Weight
 from ..ops.gdn import FLA_MIN_TOKENS
+from ..ops.moe import default_block_m
 from .sampling import SamplingParams
 
 log = logging.getLogger("nextserve.engine")
@@ -35,11 +42,37 @@ def use_compile_cache(path: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(Path(path).resolve())
 
 
+def tail_lengths(chunk: int, block_m_of: Callable[[int], int] | None = None) -> list[int]:
+    """The warm-up's chunk lengths below `chunk`: TAILS, then for each class of lengths that compiles
+    another binary (the routed experts' BLOCK_M, `block_m_of(n)`; on which side of FLA_MIN_TOKENS; a
+    multiple of 16 or not) that TAILS miss, its shortest length."""
+    tails = [n for n in TAILS if n < chunk]
+    if block_m_of is None:
+        return tails
+    covered = {(block_m_of(n), n >= FLA_MIN_TOKENS, n % 16 == 0) for n in tails if n > 1}
+    for n in range(2, chunk):
+        kind = (block_m_of(n), n >= FLA_MIN_TOKENS, n % 16 == 0)
+        if kind not in covered:
+            covered.add(kind)
+            tails.append(n)
+    return sorted(tails)
+
+
+def moe_block_m(model) -> Callable[[int], int] | None:
+    """The routed experts' prefill BLOCK_M for a chunk of n tokens of `model` (None without MoE layers)."""
+    moe = next((m for m in model.modules() if isinstance(m, SparseMoe)), None)
+    if moe is None:
+        return None
+    E, fp8 = moe.experts.gate_up.shape[0], isinstance(moe.experts.gate_up, Fp8Weight)
+    return lambda n: default_block_m(n * moe.top_k, E, fp8)
+
+
 def warm_up(engine) -> float:
     """Run the warm-up requests on `engine` (an LLMEngine); returns the seconds it took."""
     t0 = time.perf_counter()
     chunk = min(engine.config.prefill_chunk, max(1, engine.max_context - 32 - 4))
-    tails = [n for n in TAILS if n < chunk and chunk + n + 4 <= engine.max_context] or [1]
+    tails = tail_lengths(chunk, moe_block_m(engine.model))
+    tails = [n for n in tails if chunk + n + 4 <= engine.max_context] or [1]
     vocab = engine.model_config.vocab_size
     base = [10 + (i * 7919) % max(1, vocab - 10) for i in range(chunk)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

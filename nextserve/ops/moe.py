@@ -8,6 +8,19 @@ from .pointwise import rowwise
 from .triton import use_kernel
 
 
+def default_block_m(pairs: int, num_experts: int, fp8: bool = False) -> int:
+    """The grouped prefill kernel's BLOCK_M (ops/triton/moe_grouped.py) for n (token, expert) pairs over E
+    experts: about the mean pairs per expert, 16 to 64 (the MMA rows of a mostly empty block are wasted;
+    an expert with more pairs than BLOCK_M is cut into more blocks). FP8 experts take 128 (with 8 warps)
+    from 64 pairs an expert on (a 4096-token chunk of Flash-Next: 80): BENCHMARKS.md
+    session 16 measured 1.23x there, where bf16 gained 1.03x alone and nothing in a whole prefill, and
+    neither gained at 8192 tokens. Each value is a kernel specialisation (engine/warmup.py compiles all)."""
+    mean = pairs / max(num_experts, 1)
+    if fp8 and mean >= 64:
+        return 128
+    return 16 if mean <= 8 else 32 if mean <= 24 else 64
+
+
 def route(
     logits: torch.Tensor, top_k: int, normalize: bool, row_invariant: bool = False, shared: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ import logging
 import pytest
 
 from nextserve import SamplingParams
-from nextserve.engine.warmup import TAILS, warm_up
+from nextserve.engine.warmup import TAILS, moe_block_m, tail_lengths, warm_up
 from nextserve.ops.gdn import FLA_MIN_TOKENS
+from nextserve.ops.moe import default_block_m
 
 
 @pytest.mark.parametrize("max_context,chunk", [(256, 16), (64, 64), (40, 16)])
@@ -20,7 +21,9 @@ def test_warm_up_runs_the_tails_that_fit_and_leaves_nothing(oracle_llm, caplog, 
         assert warm_up(llm.engine) >= 0
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up:")]
     ran = [int(n) for n in line.split(" tokens)")[0].rsplit(", ", 1)[1].split("/")]
-    assert ran and all(n < chunk or n == 1 for n in ran) and set(ran) <= set(TAILS)
+    assert ran and all(n < chunk or n == 1 for n in ran)
+    warm_chunk = min(chunk, max(1, max_context - 32 - 4))  # (the warm-up's own chunk: it must fit)
+    assert set(ran) <= set(tail_lengths(warm_chunk, moe_block_m(llm.engine.model))) | {1}
     stats = llm.stats()
     assert stats["prefix_images"] == 0 and stats["prefix_hits"] == 0 and stats["running"] == 0
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))[0]
@@ -31,3 +34,24 @@ def test_tails_reach_past_the_fla_threshold() -> None:
     """A chunk longer than FLA_MIN_TOKENS meets fla at both specialisations (a multiple of 16 and not)."""
     long = [n for n in TAILS if n > FLA_MIN_TOKENS]
     assert {n % 16 == 0 for n in long} == {True, False}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_block_m_class_below_the_chunk_is_warmed(fp8: bool) -> None:
+    """At Flash-Next's widths (E=512, k=10, 4,096-token chunks) a chunk of any length compiles nothing the
+    warm-up's lengths did not: its BLOCK_M, side of FLA_MIN_TOKENS and multiple-of-16-ness are a tail's."""
+    block_m = lambda n: default_block_m(n * 10, 512, fp8)  # noqa: E731
+    tails = tail_lengths(4096, block_m)
+    kind = lambda n: (block_m(n), n >= FLA_MIN_TOKENS, n % 16 == 0)  # noqa: E731
+    assert {kind(n) for n in range(2, 4096)} == {kind(n) for n in tails if n > 1}
+    assert set(TAILS) <= set(tails) and 1 in tails and max(tails) < 4096
+    assert {block_m(n) for n in tails} == ({16, 32, 64, 128} if fp8 else {16, 32, 64})
+    assert tail_lengths(4096) == list(TAILS)  # no MoE layers: the fixed lengths
+
+
+def test_the_warm_up_reads_the_models_experts(oracle_llm) -> None:
+    llm = oracle_llm()
+    moe = llm.engine.model_config
+    block_m = moe_block_m(llm.engine.model)
+    for n in (1, 17, 100, 1000):
+        assert block_m(n) == default_block_m(n * moe.num_experts_per_tok, moe.num_experts)

@@ -56,3 +56,26 @@ def test_no_compile_after_the_warm_up(tiny_model_dir) -> None:
     new = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
     assert not new, f"compiled after the warm-up: {new}"
     assert llm.stats()["prefix_images"] > 0
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_no_compile_after_the_warm_up_at_any_experts_block(tmp_path, quantization: str) -> None:
+    """Chunks whose lengths give the routed experts' prefill kernel each of its BLOCK_M values (the small
+    preset, 16 experts, 4 a token: 16 up to 32 tokens, 32 up to 96, 64, and FP8 128 from 256) compile
+    nothing after the warm-up: cold prompts, and prompts resumed from an image at the chunk."""
+    from nextserve.model.make_model import make_model
+
+    overrides = {"hidden_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
+    model = make_model("small", tmp_path / "small", overrides=overrides)
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=512, page_size=16, kv_capacity=8192,
+                 max_context=2048, max_concurrency=2, quantization=quantization)  # fmt: skip
+    llm = LLM(str(model), **flags)
+    before = compiled_kernels()
+    g = torch.Generator().manual_seed(4)
+    base = torch.randint(8, 2000, (512,), generator=g).tolist()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for n in (45, 64, 150, 160, 300, 320, 511):
+        llm.generate([base[:n]], params)  # cold, one chunk of n tokens
+        llm.generate([base + base[:n]], params)  # a full chunk (resumed after the first), then n
+    new = {k: c - before.get(k, 0) for k, c in compiled_kernels().items() if c != before.get(k, 0)}
+    assert not new, f"compiled after the warm-up: {new}"

@@ -9,8 +9,8 @@ import torch
 from moe_cases import moe_problem, rel_err
 from triton_interp import needs_cuda, small
 
-from nextserve.ops.moe import _experts_by_expert, experts
-from nextserve.ops.triton.moe_grouped import default_block_m, grouped_experts
+from nextserve.ops.moe import _experts_by_expert, default_block_m, experts
+from nextserve.ops.triton.moe_grouped import grouped_experts
 
 SMALL = dict(H=64, E=8, k=2, I=32)
 

@@ -71,6 +71,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Weight
+from ..moe import default_block_m
 from .common import pdl_args, pdl_start
 from .moe_decode import expert_shapes
 
@@ -448,18 +449,6 @@ def grouped_decode_experts(
         x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages, stages_down, block_h_combine, sort=False, shared=shared,
     )  # fmt: skip
-
-
-def default_block_m(pairs: int, num_experts: int, fp8: bool = False) -> int:
-    """Prefill's BLOCK_M for n pairs over E experts: about the mean pairs per expert, 16 to 64 (the MMA
-    rows of a mostly empty block are wasted; an expert with more pairs than BLOCK_M is cut into more
-    blocks). FP8 experts take 128 (with 8 warps) from 64 pairs an expert on (a 4096-token chunk of
-    Flash-Next: 80): BENCHMARKS.md session 16 measured 1.23x there, where bf16 gained 1.03x alone and
-    nothing in a whole prefill, and neither gained at 8192 tokens."""
-    mean = pairs / max(num_experts, 1)
-    if fp8 and mean >= 64:
-        return 128
-    return 16 if mean <= 8 else 32 if mean <= 24 else 64
 
 
 def grouped_experts(
