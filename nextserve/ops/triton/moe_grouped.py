@@ -478,8 +478,8 @@ def grouped_experts(
     (`default_block_m`), warps None 8 with a BLOCK_M of 128, else 4; the block sizes are part of the
     numerics. A repeated id in a row is still summed, in slot order, as the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0], isinstance(gate_up, Fp8Weight))
-    warps = warps or (8 if bm >= 128 else 4)
-    warps_down = warps_down or (8 if bm >= 128 else 4)
+    wide_warps = 8 if bm >= 128 else 4
+    warps, warps_down = warps or wide_warps, warps_down or wide_warps
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared,
