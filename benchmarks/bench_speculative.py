@@ -6,10 +6,11 @@ checked equal to off's (C1).
     python benchmarks/bench_speculative.py                       # default model, CPU, mtp K = 1..4
     python benchmarks/bench_speculative.py --stages 2 --device cuda --dtype bfloat16 \
         --pipeline-devices 0,0 --stage-transport host --widths 3  # also each mode through two stages
+    ... --stages 2 --pipeline-windows  # and each mtp mode through the stages with --pipeline-windows
 
 Prints one JSON object: revision, hardware, command, settings, and per mode the wall seconds of each
-round (prefill + decode of one request), their median, tokens/s at the median, the ratio to off, and the
-drafts proposed and accepted.
+round (prefill + decode of one request), their median, tokens/s at the median, the ratio to off, the
+drafts proposed and accepted, and with pipeline windows the guessed windows held and dropped.
 """
 
 from __future__ import annotations
@@ -55,12 +56,8 @@ def _rounds(
             (out,) = llm.generate([prompt], params)
             walls[name].append(round(time.perf_counter() - t0, 4))
             s = llm.stats()
-            spec[name].append(
-                (
-                    s["spec_draft_tokens"] - before["spec_draft_tokens"],
-                    s["spec_accepted_tokens"] - before["spec_accepted_tokens"],
-                )
-            )
+            keys = ("spec_draft_tokens", "spec_accepted_tokens", "pipeline_windows_held")
+            spec[name].append(tuple(s[k] - before[k] for k in (*keys, "pipeline_windows_dropped")))
             tokens.setdefault(name, out.token_ids)
             assert out.token_ids == tokens[name], f"{name}: tokens changed between rounds"
 
@@ -82,6 +79,7 @@ def main() -> None:
     ap.add_argument("--pipeline-devices", default=None)
     ap.add_argument("--stage-transport", default="auto")
     ap.add_argument("--head-embedding", default="device", help="the stages' MTP embeddings: device or host")
+    ap.add_argument("--pipeline-windows", action="store_true", help="and mtp with windows")
     ap.add_argument("--no-cuda-graph", action="store_true")
     a = ap.parse_args()
     if a.threads:
@@ -101,11 +99,15 @@ def main() -> None:
         for name, spec in specs.items():
             heads = {"head_embedding": a.head_embedding} if spec.get("speculative_method") == "mtp" else {}
             modes[f"{a.stages} stages, {name}"] = LLM(a.model, **flags, **spec, **stage_flags, **heads)
+            if a.pipeline_windows and heads:
+                modes[f"{a.stages} stages, {name} + windows"] = LLM(
+                    a.model, **flags, **spec, **stage_flags, **heads, pipeline_windows=True
+                )
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     for llm in modes.values():  # warm-up (allocations, kernels)
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     walls: dict[str, list[float]] = {m: [] for m in modes}
-    spec: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
+    spec: dict[str, list[tuple[int, ...]]] = {m: [] for m in modes}
     tokens: dict[str, list[int]] = {}
     try:
         _rounds(a, modes, prompt, params, walls, spec, tokens)
@@ -116,7 +118,8 @@ def main() -> None:
     figures = {}
     for name in modes:
         median = statistics.median(walls[name])
-        drafted, accepted = spec[name][0]
+        drafted, accepted, held, dropped = spec[name][0]
+        same_stages_off = name.rsplit(", ", 1)[0] + ", off" if ", " in name else "off"
         figures[name] = {
             "wall_s": walls[name],
             "median_wall_s": median,
@@ -126,10 +129,10 @@ def main() -> None:
             "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "tokens_equal_off": tokens[name] == tokens["off"],
-            "speedup_vs_same_stages_off": round(
-                statistics.median(walls[name.replace(name.split(", ")[-1], "off")]) / median, 3
-            ),
+            "speedup_vs_same_stages_off": round(statistics.median(walls[same_stages_off]) / median, 3),
         }
+        if held or dropped:
+            figures[name] |= {"windows_held": held, "windows_dropped": dropped}
     print(
         json.dumps(
             {

@@ -79,6 +79,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "token embeddings (stage 0 holds the model's table): device, a second copy in the last stage's GPU "
     "memory; host, one pinned host copy read over the bus by a kernel (zero-copy), saving that GPU the "
     "table (vocab x hidden)",
+    "pipeline_windows": "with pipeline stages and mtp speculation: while the last stage verifies a request "
+    "decoding alone, the front stages run the window the MTP block guesses comes next (its chain then 2k+1 "
+    "long) on a shadow copy of their state; committed when the whole window held and its next token is the "
+    "guessed one, else dropped (outputs unchanged; counts in stats and /metrics)",
     "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
     "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "

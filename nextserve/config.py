@@ -289,6 +289,7 @@ class EngineConfig:
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
+    pipeline_windows: bool = False  # front stages run the MTP-guessed next window while the last verifies
     host_state_slots: int | str = "auto"  # prefix images kept in host memory (0: off; auto: on if room)
     host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
@@ -341,7 +342,8 @@ class EngineConfig:
             not isinstance(self.compile_cache_dir, str) or not self.compile_cache_dir
         ):
             raise ConfigError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
-        for name in ("cuda_graph", "pdl", "async_scheduling", "skip_tokenizer", "warm_up"):
+        bools = ("cuda_graph", "pdl", "async_scheduling", "skip_tokenizer", "warm_up", "pipeline_windows")
+        for name in bools:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
@@ -371,6 +373,11 @@ class EngineConfig:
                 "head_embedding host is where the last pipeline stage's MTP block reads its token "
                 "embeddings: it needs pipeline_stages > 1 and speculative_method mtp (one process reads "
                 "the model's own table)"
+            )
+        if self.pipeline_windows and (self.pipeline_stages < 2 or self.speculative_method != "mtp"):
+            raise ConfigError(
+                "pipeline_windows runs the MTP block's guess of the next verify window on the front stages "
+                "while the last stage verifies: it needs pipeline_stages > 1 and speculative_method mtp"
             )
         if self.device == "cpu" and self.stage_transport == "nccl":
             raise ConfigError(
@@ -410,6 +417,12 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda was asked for but no CUDA device is available")
         return dev
+
+    @property
+    def state_slots(self) -> int:
+        """State slots to allocate: one per sequence, and with pipeline_windows the shadow slot the guessed
+        windows run on (runtime/pipeline.py)."""
+        return self.max_concurrency + int(self.pipeline_windows)
 
     def prefill_chunks_per_step(self) -> int:
         """How many of a prompt's chunks one step sends into the pipeline (auto: one per stage)."""

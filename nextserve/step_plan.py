@@ -28,6 +28,9 @@ class Chunk:
     end: int
     sample: bool  # the last row's logits choose the next token
     drafts: tuple[int, ...] = ()  # a verify window: the draft tokens after the sequence's last token
+    # --pipeline-windows: the window after this one should all of it hold (the token guessed to follow
+    # the last draft, then its drafts), run by the front stages while the last stage verifies this one
+    guess: tuple[int, ...] = ()
 
 
 @dataclass

@@ -36,7 +36,11 @@ class DraftLog:
 
     def __init__(self, llm: LLM) -> None:
         self.inner, self.log = llm.engine.scheduler.proposer, []
+        self.k = self.inner.k
         llm.engine.scheduler.proposer = self
+
+    def guess(self, seq, limit: int) -> list[int]:
+        return self.inner.guess(seq, limit)
 
     def drafts(self, seq, limit: int) -> list[int]:
         drafts = self.inner.drafts(seq, limit)

@@ -137,11 +137,19 @@ class StateSlots:
         """Restore each of `slots` from the keep slot at the same place in `kept`: every state a
         window's step keeps (GDN, PLE, the target's indexer tails), not the MTP layer's (its tail and
         input rows are the drafter's, runtime/mtp_runner.py)."""
-        if not slots:
-            return
+        if slots:
+            self._copy_target(kept, slots)
+
+    def fork(self, slot: int, shadow: int) -> None:
+        """Copy slot's target state (what `rewind` restores) into `shadow`, where a guessed window runs
+        (--pipeline-windows). Not `rewind`, which a pipeline's driver mirrors to every stage: each stage
+        forks its own planes as it reaches the guessed window (runtime/stage_worker.py)."""
+        self._copy_target([slot], [shadow])
+
+    def _copy_target(self, src_slots: list[int], dst_slots: list[int]) -> None:
         dev = self.gdn_rec.device
-        src = torch.tensor(kept, dtype=torch.long, device=dev)
-        dst = torch.tensor(slots, dtype=torch.long, device=dev)
+        src = torch.tensor(src_slots, dtype=torch.long, device=dev)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=dev)
         n_target = self.index_tail.shape[0] - self.mtp_hidden.shape[0]  # the MTP's tail plane is last
         for field in (self.gdn_conv, self.gdn_rec, self.ple_ctx, self.ple_conv, self.index_tail[:n_target]):
             field.index_copy_(1, dst, field.index_select(1, src))

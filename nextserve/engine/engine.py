@@ -84,7 +84,7 @@ class LLMEngine:
         num_pages = -(-capacity // config.page_size)
         if stages > 1:
             self.model, self.pool, self.slots = build_stage(
-                config.model, cfg, ranges[0], self.dtype, config.max_concurrency, num_pages, config.page_size,
+                config.model, cfg, ranges[0], self.dtype, config.state_slots, num_pages, config.page_size,
                 self.device, self.max_context, steps, config.quantization,
             )  # fmt: skip
         else:
@@ -105,9 +105,12 @@ class LLMEngine:
             self.pool.host_arena.reclaim = host_store.evict_lru  # prefix images make room first
         swapper = Swapper(self.pool, self.slots, lag, config.host_kv_mib * 2**20, host_store)
         lookahead = max(config.decode_groups, steps + 1) + 1
+        if config.pipeline_windows:  # a guessed window's rows, and the MTP chain after them (2k + 1)
+            lookahead += 2 * steps
         self.scheduler = Scheduler(
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
             kv_lag=lag, swapper=swapper, lookahead=lookahead, prefill_chunks=config.prefill_chunks_per_step(),
+            guess_windows=config.pipeline_windows,
         )  # fmt: skip
         if stages > 1:
             self.runner = PipelineRunner(
@@ -136,6 +139,8 @@ class LLMEngine:
         """Zero the counters the stats report (after the warm-up: the engine starts as if nothing ran)."""
         self.spec_drafted = self.spec_accepted = 0
         self.scheduler.swapper.preemptions = self.scheduler.swapper.resumes = 0
+        if isinstance(self.runner, PipelineRunner):
+            self.runner.windows_held = self.runner.windows_dropped = 0
         if self.prefix is not None:
             self.prefix.host_hits = self.prefix.hits = self.prefix.misses = 0
 
@@ -378,7 +383,7 @@ class LLMEngine:
             "kv_pages_in_images": len(self.prefix.pages()) if self.prefix is not None else 0,
             "kv_pages_total": self.pool.num_pages,
             "state_slots_free": self.slots.num_free,
-            "state_slots_total": self.slots.num_slots,
+            "state_slots_total": self.config.max_concurrency,  # (not the pipeline windows' shadow slot)
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "spec_draft_tokens": self.spec_drafted,
@@ -386,4 +391,6 @@ class LLMEngine:
             "preemptions": self.scheduler.swapper.preemptions,
             "preempted_resumes": self.scheduler.swapper.resumes,
             "preempted_waiting": len(self.scheduler.swapper.copies),
+            "pipeline_windows_held": getattr(self.runner, "windows_held", 0),
+            "pipeline_windows_dropped": getattr(self.runner, "windows_dropped", 0),
         }

@@ -33,15 +33,18 @@ class Scheduler:
         swapper: Swapper | None = None,
         lookahead: int = 1,
         prefill_chunks: int = 1,
+        guess_windows: bool = False,
     ) -> None:
         """`prefill_chunks`: prompt chunks a step runs at most (more than one only with pipeline stages,
         which run a step's items one after another, each passed on as soon as it is done). `kv_lag`:
         positions before a sequence's committed end that it still writes (SequenceCache.lag; 1 with MTP
         drafting). `lookahead`: positions past a decode chunk's end that the step may write (a verify
-        window's drafts, the MTP block's chain, pipeline decode rounds), reserved with it."""
+        window's drafts, the MTP block's chain, pipeline decode rounds, a guessed window), reserved with
+        it. `guess_windows`: a sequence decoding alone also gets the guess of its next window
+        (--pipeline-windows: `_guess`)."""
         self.pool, self.slots, self.prefix, self.proposer, self.kv_lag = pool, slots, prefix, proposer, kv_lag
         self.prefill_chunk, self.max_pending, self.lookahead = prefill_chunk, max_pending, lookahead
-        self.prefill_chunks = prefill_chunks
+        self.prefill_chunks, self.guess_windows = prefill_chunks, guess_windows
         self.swapper = swapper or Swapper(pool, slots, kv_lag, max_bytes=1 << 62)
         self.margin = pool.page_size  # decode room admission reserves past the prompt
         self.waiting: deque[Sequence] = deque()
@@ -135,7 +138,20 @@ class Scheduler:
             chunk = stalled[0]
             if self._grow(chunk, plan, over_budget=True):
                 (plan.verifies if chunk.drafts else plan.decodes).append(chunk)
+        if self.guess_windows:
+            self._guess(plan)
         return plan
+
+    def _guess(self, plan: StepPlan) -> None:
+        """The guessed next window of a sequence verifying a full window alone (nothing else running):
+        the proposer's tokens after its drafts, kept below its token budget. Any guess is safe: it runs
+        only once the whole window before it held, and its rows are verified like any window's (C1)."""
+        if len(plan.verifies) != 1 or plan.prefills or plan.decodes or len(self.running) != 1:
+            return
+        ch = plan.verifies[0]
+        limit = ch.seq.token_budget() - ch.seq.num_computed - 1  # drafts and guess together (`_drafts`)
+        if len(ch.drafts) == self.proposer.k:
+            ch.guess = tuple(self.proposer.guess(ch.seq, limit))
 
     def _prefill_chunks(self, seq: Sequence, plan: StepPlan) -> None:
         """Add seq's next prompt chunks to the plan, up to `prefill_chunks` a step in all.

@@ -181,7 +181,7 @@ def kv_capacity(
     if device.type == "cuda" and stages is not None:
         ranges, devices, steps = stages
         mtp = config.speculative_method == "mtp"
-        need = StageNeeds(cfg, dtype, config.max_concurrency, steps, mtp, config.head_embedding)
+        need = StageNeeds(cfg, dtype, config.state_slots, steps, mtp, config.head_embedding)
         images = prefix_images(config, need.kv_tokens(ranges, devices, headroom) * per_token, slot)
         tokens = need.kv_tokens(ranges, devices, headroom + images * slot)
     else:

@@ -85,3 +85,9 @@ class MtpProposer:
         # NOTE: Sequence.drafts is replaced by every step that computes seq, so it always belongs to
         # seq's current last token (an empty chain after an MTP failure: a plain decode step then).
         return list(seq.drafts[: min(self.k, limit)])
+
+    def guess(self, seq: Sequence, limit: int) -> list[int]:
+        """The chain's tokens after the next window's k drafts, up to the (k + 1)-row window that follows
+        it, with the drafts at most `limit` tokens in all (--pipeline-windows: the chain is then 2k + 1
+        long, runtime/pipeline.py)."""
+        return list(seq.drafts[self.k : min(2 * self.k + 1, limit)])

@@ -78,9 +78,12 @@ class GraphRunner:
         self.tokens = tokens
         self.buckets = bucket_sizes(max_rows)
         self.windows = window_sizes(max_drafts)
+        # the drafter's MTP rows per sequence: up to 1 + its chain (a window's committed rows; with pipeline
+        # windows a held pair's, whose chain is 2k + 1: runtime/pipeline_windows.py)
+        self.mtp_windows = window_sizes(drafter.k) if drafter is not None else [1]
         G = self.buckets[-1]
         # NOTE: meta columns: the windows' rows (up to W*G), then the drafter's chain steps (k*G)
-        self.cols = G * self.windows[-1]
+        self.cols = G * max(self.windows[-1], self.mtp_windows[-1])
         cols = self.cols + (G * drafter.k if drafter is not None else 0)
         dev = pool.k.device
         self.inputs, self.meta, self.table = step_input_buffers(cols, G + 1, max_pages, dev, pin=False)
@@ -117,35 +120,35 @@ class GraphRunner:
         self.inputs[:n].copy_(self.inputs_host[:n], non_blocking=True)
         self._uploaded.record()
 
-    def _bucket(self, W_in: int, B: int) -> tuple[int, int]:
-        """The captured (W, bucket) a step of W_in rows for B sequences replays (its extra rows padding)."""
-        return next(w for w in self.windows if w >= W_in), next(b for b in self.buckets if b >= B)
-
-    def _shapes(self) -> list[tuple[int, int]]:
-        return [(W, G) for W in self.windows for G in self.buckets]
+    def _bucket(self, W_in: int, B: int, windows: list[int] | None = None) -> tuple[int, int]:
+        """The captured (W, bucket) a step of W_in rows for B sequences replays (its extra rows padding),
+        among `windows` (default: the target's window lengths)."""
+        windows = windows or self.windows
+        return next(w for w in windows if w >= W_in), next(b for b in self.buckets if b >= B)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm every shape up (Triton compiles here), then capture the largest first so the smaller
         graphs reuse its memory pool. Only the scratch slot and pages are written."""
-        G, W = self.buckets[-1], self.windows[-1]
+        G, W = self.buckets[-1], self.cols // self.buckets[-1]
         empty = np.zeros((WINDOW_FIELDS, W, 0), dtype=np.int64)
         self._fill(empty, [], W, G)
+        families = [(self.graphs, self._step, self.windows)]
         if self.drafter is not None:
             self._fill_mtp(empty, np.zeros((WINDOW_FIELDS, self.drafter.k, 0), dtype=np.int64), [], W, G)
-        families = [(self.graphs, self._step)]
-        if self.drafter is not None:
-            families.append((self.mtp_graphs, self._mtp_step))
+            families.append((self.mtp_graphs, self._mtp_step, self.mtp_windows))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _, step in families:
-                for W, G in self._shapes():
-                    step(W, G)
+            for _, step, windows in families:
+                for W in windows:
+                    for G in self.buckets:
+                        step(W, G)
         torch.cuda.current_stream().wait_stream(side)
         mempool = torch.cuda.graph_pool_handle()
-        for graphs, step in families:
-            for W, G in sorted(self._shapes(), key=lambda s: s[0] * s[1], reverse=True):
+        for graphs, step, windows in families:
+            shapes = [(W, G) for W in windows for G in self.buckets]
+            for W, G in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool):
                     out = step(W, G)
@@ -187,7 +190,7 @@ class GraphRunner:
 
     # ---- the MTP drafter's windows (runtime/mtp_runner.py) ----------------------------------------------
     def fits_mtp(self, rows: int, Wm: int) -> bool:
-        return bool(self.mtp_graphs) and rows <= self.buckets[-1] and Wm <= self.windows[-1]
+        return bool(self.mtp_graphs) and rows <= self.buckets[-1] and Wm <= self.mtp_windows[-1]
 
     def _mtp_step(self, Wm: int, G: int) -> tuple[torch.Tensor]:
         d = self.drafter
@@ -216,7 +219,7 @@ class GraphRunner:
         chains [5, k, B] from multi0 [B, nH] (MtpDrafter.window_inputs): drafts [k, B], a view of the
         graph's output."""
         _, Wm_in, B = rows.shape
-        Wm, G = self._bucket(Wm_in, B)
+        Wm, G = self._bucket(Wm_in, B, self.mtp_windows)
         self._fill_mtp(rows, chain, tables, Wm, G)
         self.mtp_x[: Wm * G].view(Wm, G, -1)[:Wm_in, :B].copy_(x_in)
         self.mtp_multi[:B].copy_(multi0)

@@ -33,6 +33,7 @@ from ..model.loader import load_module, meta_device
 from ..model.shapes import expected_shapes
 from ..step_plan import Chunk, StepPlan
 from .decode_rounds import DecodeRounds, DecodeRow
+from .pipeline_windows import commit_location, guess_work, mtp_tokens, pair_chunk, sample_pair
 from .runner import ChunkResult, _describe
 from .stage_channel import free_port
 from .stage_launch import StageSetup, start_stages
@@ -45,9 +46,8 @@ log = logging.getLogger("nextserve.pipeline")
 FAILED = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
 
 
-def mtp_tokens(config: EngineConfig) -> int:
-    """Drafts the MTP block on the last stage chains per window (0: no MTP speculation)."""
-    return config.speculative_tokens if config.speculative_method == "mtp" else 0
+class _StagesDown(Exception):
+    """The channel failed while a step waited on a guessed window (raised on as its cause)."""
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -164,6 +164,9 @@ class PipelineRunner(StageWorker):
         self.mirror = StageMirror(pool, slots)
         self.decode_groups = config.decode_groups
         self.mtp_tokens = mtp_tokens(config)  # the last stage drafts up to this many (0: no MTP)
+        # --pipeline-windows: the slot guessed windows run on (every stage's, taken from the free list)
+        self.shadow = slots.alloc() if config.pipeline_windows else None
+        self.windows_held = self.windows_dropped = 0  # guessed windows committed / dropped
         self.failure: str | None = None  # why the pipeline cannot run (a stage died), for good
         self.closed = False
         self.channel.broadcast(None)  # every stage is built
@@ -213,7 +216,10 @@ class PipelineRunner(StageWorker):
             windows = WindowsWork(inputs, [list(t) for t in tables])
         rounds = DecodeRounds(plan.decodes, self.decode_groups, self.model.cfg.eos_token_id)
         decodes = [self._decode_work(rows) for rows in rounds.groups]
-        self._launch(StageStep(self.mirror.take(), prefills, tuple(decodes), windows))
+        guess = None  # the guessed next window of a sequence verifying alone (pipeline_windows.py)
+        if self.shadow is not None and len(plan.verifies) == 1 and plan.verifies[0].guess:
+            guess = guess_work(plan.verifies[0], self.shadow, self.states)
+        self._launch(StageStep(self.mirror.take(), prefills, tuple(decodes), windows, guess=guess))
         # NOTE: every stage runs items in launch order and the last stage returns them in that order
         queue = deque([("windows", plan.verifies, W * len(plan.verifies))] if plan.verifies else [])
         queue += [("prefill", ch, int(ch.sample)) for ch in plan.prefills]
@@ -223,7 +229,9 @@ class PipelineRunner(StageWorker):
             while queue:
                 kind, item, n_rows = queue.popleft()
                 ok, logits = self._receive(n_rows)
-                if kind == "windows":
+                if kind == "windows" and guess is not None:
+                    results.append(self._resolve_pair(item[0], ok, logits, guess.slot))
+                elif kind == "windows":
                     if not ok:
                         results += [self._failed(ch) for ch in item]
                     else:  # rewinds: this stage's now, the others' as an op of the next step (StageMirror)
@@ -254,6 +262,45 @@ class PipelineRunner(StageWorker):
         if self.mtp_tokens and (plan.prefills or plan.verifies):
             self._draft(plan, results)
         return results
+
+    def _resolve_pair(self, ch: Chunk, ok: bool, logits: torch.Tensor | None, slot: int) -> ChunkResult:
+        """The result of `ch`'s verify window and, when it all held, of its guessed window too, which the
+        last stage computes only once told so here (pipeline_windows.py); the state after the last
+        committed row goes to the sequence's slot (a rewind, mirrored to every stage)."""
+        last, asked = self.channel.world - 1, False
+
+        def guessed_rows() -> torch.Tensor:
+            nonlocal asked
+            asked = True
+            try:
+                self.channel.send(torch.ones(1, dtype=torch.int8), last)
+                ok_guess, rows = self._receive(len(ch.guess))
+            except Exception as exc:
+                raise _StagesDown from exc
+            if not ok_guess:
+                raise RuntimeError(FAILED)
+            return rows
+
+        try:
+            if not ok:
+                return self._failed(ch)
+            rows, held = sample_pair(ch, logits, guessed_rows, self.model.cfg.eos_token_id)
+        except _StagesDown as down:  # the stages are out of step: `execute`'s failure, not this request's
+            raise down.__cause__ from None
+        except Exception as exc:  # noqa: BLE001 - that request only (C2)
+            log.exception("verify window with a guess failed")
+            return ChunkResult(ch, error=_describe(exc))
+        finally:
+            if not asked:  # the last stage drops the guessed window's streams
+                self.channel.send(torch.zeros(1, dtype=torch.int8), last)
+        self.windows_held += held
+        self.windows_dropped += not held
+        W, n_kept = 1 + len(ch.drafts), len(rows)
+        kept = commit_location(self.states, slot, self.shadow, W, len(ch.guess), n_kept)
+        if kept != slot:
+            self.states.rewind([kept], [slot])
+        (token, lp), more = rows[0], rows[1:]
+        return ChunkResult(pair_chunk(ch) if held else ch, token, lp, more=more, computed=ch.start + n_kept)
 
     def _draft(self, plan: StepPlan, results: list[ChunkResult]) -> None:
         """The MTP drafts of the step's committed chunks, drafted on the last stage (stage_mtp.py).

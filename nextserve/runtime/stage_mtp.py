@@ -51,7 +51,8 @@ class MtpWork:
 
 class KeptStreams:
     """The last stage's streams of a step's items, for the MTP message that follows the step: per verify
-    window sequence its rows [W, nH], per prefill chunk its rows [n, nH], None where the item failed."""
+    window sequence its rows [W, nH] (and a held guessed window's after them), per prefill chunk its rows
+    [n, nH], None where the item failed."""
 
     def __init__(self) -> None:
         self.streams: list[torch.Tensor | None] = []
@@ -62,6 +63,9 @@ class KeptStreams:
         elif kind == "windows":
             per = None if x is None else x.view(rows // sequences, sequences, -1)
             self.streams += [None if per is None else per[:, b] for b in range(sequences)]
+        elif kind == "guess":  # the step's one verify window's sequence (pipeline_windows.py)
+            window = self.streams[-1]
+            self.streams[-1] = None if x is None or window is None else torch.cat([window, x])
 
     def take(self) -> list[torch.Tensor | None]:
         streams, self.streams = self.streams, []
@@ -72,11 +76,13 @@ def mtp_work(plan: StepPlan, results: list[ChunkResult], k: int) -> tuple[MtpWor
     """The driver's MTP message of a step and the results it drafts for (its committed chunks, in
     order). The pages of each chain's positions are owned first (copy-on-write), as MtpDrafter does:
     the copies go to every stage with the message."""
-    index = {id(ch): b for b, ch in enumerate(plan.verifies)}
-    index |= {id(ch): len(plan.verifies) + i for i, ch in enumerate(plan.prefills)}
+    # NOTE: by sequence and start, not by chunk: a held guessed window's result names its pair's chunk
+    # (pipeline_windows.pair_chunk), whose kept streams are the window's and the guess's together
+    index = {(id(ch.seq), ch.start): b for b, ch in enumerate(plan.verifies)}
+    index |= {(id(ch.seq), ch.start): len(plan.verifies) + i for i, ch in enumerate(plan.prefills)}
     work, owners = MtpWork(), []
     for r in results:
-        i = index.get(id(r.chunk))
+        i = index.get((id(r.chunk.seq), r.chunk.start))
         if i is None or r.error is not None:
             continue
         c, cache = committed_rows(r, k), r.chunk.seq.cache

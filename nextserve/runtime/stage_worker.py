@@ -23,6 +23,7 @@ from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
 from .graph_runner import GraphRunner
+from .pipeline_windows import GuessWork
 from .runner import ModelRunner
 from .stage_channel import StageChannel
 from .stage_codec import wire_type
@@ -71,6 +72,7 @@ class StageStep:
     decodes: tuple[DecodeWork, ...] = ()  # decode groups (one, without --decode-groups), each an item
     windows: WindowsWork | None = None
     mtp: MtpWork | None = None  # the last step's MTP rows, for the last stage (stage_mtp.py)
+    guess: GuessWork | None = None  # the guessed window after `windows` (pipeline_windows.py)
 
 
 class StageWorker(ModelRunner):
@@ -129,12 +131,15 @@ class StageWorker(ModelRunner):
 
     def _item(
         self, kind: str, forward, rows: int, sample_rows: torch.Tensor | None, dtype: torch.dtype,
-        sequences: int = 1,
+        sequences: int = 1, ask: bool = False,
     ) -> None:  # fmt: skip
         """Run one item (of `sequences` sequences) through this stage (forward(x_in) -> streams) and send
-        it on; the last stage keeps its streams when it drafts."""
+        it on; the last stage keeps its streams when it drafts. `ask`: the last stage runs it only when
+        stage 0 then says so (a guessed window), else drops its input and sends nothing back."""
         r, last = self.channel.rank, self.channel.world - 1
         x_in, ok = self._stream_in(rows, dtype)
+        if ask and r == last and not self.channel.recv((1,), torch.int8, 0)[0]:
+            return
         x = logits = None
         t0 = time.time()
         if ok:
@@ -198,6 +203,10 @@ class StageWorker(ModelRunner):
             _, W, B = step.windows.inputs.shape
             rows = torch.arange(W * B, device=dev)
             self._item("windows", lambda x, w=step.windows: self._windows(w, x), W * B, rows, dtype, B)
+        if step.guess is not None:
+            g, n = step.guess, step.guess.inputs.shape[1]
+            rows = torch.arange(n, device=dev)
+            self._item("guess", lambda x: self._guess(g, x), n, rows, dtype, ask=True)
         for w in step.prefills:
             if w.start == 0:
                 self.states.reset(w.slot)  # a new sequence (stage 0 resets at allocation)
@@ -230,6 +239,12 @@ class StageWorker(ModelRunner):
         n = len(d.ids)
         rows = [d.ids, d.positions, d.slots, [self.states.scratch_slot] * n, range(n)]
         return self._windows(WindowsWork(np.array(rows, dtype=np.int64)[:, None], d.tables), x)
+
+    def _guess(self, g: GuessWork, x: torch.Tensor | None) -> torch.Tensor:
+        """A guessed window's streams after this stage's layers [W2, nH], on the shadow slot forked from
+        the window's slot as this stage left it (pipeline_windows.py)."""
+        self.states.fork(g.slot, g.shadow)
+        return self._windows(WindowsWork(g.inputs, g.tables), x)
 
     def _windows(self, w: WindowsWork, x: torch.Tensor | None) -> torch.Tensor:
         """Streams after this stage's layers [W*B, nH] of W steps of B rows (verify windows, or a decode

@@ -58,6 +58,14 @@ class _EngineCollector(Collector):
         counters = {  # speculative decoding (vLLM's spec_decode_num_draft/accepted_tokens)
             "nextserve_spec_draft_tokens": ("Draft tokens checked by verify windows", "spec_draft_tokens"),
             "nextserve_spec_accepted_tokens": ("Draft tokens accepted", "spec_accepted_tokens"),
+            "nextserve_pipeline_windows_held": (
+                "Guessed windows the front pipeline stages ran ahead, committed (--pipeline-windows)",
+                "pipeline_windows_held",
+            ),
+            "nextserve_pipeline_windows_dropped": (
+                "Guessed windows the front pipeline stages ran ahead, dropped (--pipeline-windows)",
+                "pipeline_windows_dropped",
+            ),
             "nextserve_preemptions": ("Running sequences moved to host memory for pages", "preemptions"),
             "nextserve_preempted_resumes": (
                 "Preempted sequences resumed from host memory",

@@ -208,3 +208,30 @@ def test_mtp_through_two_stages_on_one_gpu(head: str, graph: bool) -> None:
         _pool_full(split)
     finally:
         split.close()
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graphs", "eager"])
+def test_pipeline_windows_through_two_stages_on_one_gpu(graph: bool) -> None:
+    """--pipeline-windows (K=2) with the trained default model's MTP block on the last of two stages on
+    cuda:0 (through host memory): each prompt alone, greedy and seeded, gives the plain single-GPU outputs,
+    with guessed windows both held and dropped (a held pair's MTP rows replay the last stage's graphs of up
+    to 2K + 2 rows, or run eagerly)."""
+    from spec_cases import py_prompts
+
+    from nextserve.config import DEFAULT_MODEL
+
+    flags = FLAGS | {"prefill_chunk": 32, "cuda_graph": graph}
+    plain = LLM(DEFAULT_MODEL, dtype="bfloat16", **flags)
+    prompts = [plain.tokenizer.encode(p, add_special_tokens=False) for p in py_prompts()]
+    split = LLM(DEFAULT_MODEL, dtype="bfloat16", speculative_method="mtp", speculative_tokens=2,
+                pipeline_stages=2, pipeline_devices="0,0", stage_transport="host", pipeline_windows=True,
+                **flags)  # fmt: skip
+    try:
+        for params in PARAMS:
+            for p in prompts:
+                _same(plain.generate([p], params), split.generate([p], params))
+        s = split.stats()
+        assert s["pipeline_windows_held"] > 0 and s["pipeline_windows_dropped"] > 0, s
+        _pool_full(split)
+    finally:
+        split.close()

@@ -47,6 +47,7 @@ KNOWN_VALUES = {
     "prefix_cache": True,  # (its flip, --no-prefix-cache, would refuse --host-state-slots 1)
     "prefix_cache_images": 5,
     "host_state_slots": 3,
+    "speculative_method": "mtp",  # (--pipeline-windows, flipped on, needs it)
 }
 
 
