@@ -1,8 +1,9 @@
 """The FP8 small-M GEMV (ops/triton/gemv.py) on the decode step's FP8 projections: the 16-bit kernel on
 the bf16 weight, the FP8 weight dequantized per tile in the 16-bit configuration (`post_scale=False`, the
-earlier form), and each tile's partial scaled per column in the FP8 configuration (the default), with a
-sweep of FP8 configurations around the rule. Cold weights (an L2 flush between calls: bench_small_m_gemm's
-Timer), CUDA graphs, median of trials.
+earlier form), and each tile's partial scaled per column in the FP8 configuration (the default; its codes
+turned bf16 by bit moves, and by Triton's own conversion for the side by side), with a sweep of FP8
+configurations around the rule. Cold weights (an L2 flush between calls: bench_small_m_gemm's Timer), CUDA
+graphs, median of trials.
 
     python benchmarks/bench_fp8_gemv.py --m 1 8 --sweep
 
@@ -26,6 +27,7 @@ from bench_small_m_gemm import Timer, _gbps  # noqa: E402
 
 from nextserve.bench import copy_bandwidth, git_info, hardware  # noqa: E402
 from nextserve.ops.fp8 import Fp8Weight, quantize  # noqa: E402
+from nextserve.ops.triton.common import FP8_BIT_MOVES  # noqa: E402
 from nextserve.ops.triton.gemv import _config, _splits, small_m_linear  # noqa: E402
 
 # (what, N, K, calls per 8-layer decode step): the projections `--quantization fp8` holds in FP8
@@ -34,6 +36,15 @@ SHAPES = [
     ("QSA in_proj q|k|v|indexer (2 layers)", 13952, 2560, 2),
     ("GDN/QSA out (8 layers)", 2560, 6144, 8),
 ]
+
+
+def _triton_cvt(fn):
+    """fn() with the FP8 codes turned bf16 by Triton's own conversion (common.FP8_BIT_MOVES off)."""
+    FP8_BIT_MOVES[0] = False
+    try:
+        return fn()
+    finally:
+        FP8_BIT_MOVES[0] = True
 
 
 def _sweep(timer: Timer, w: Fp8Weight, x: torch.Tensor) -> list[dict]:
@@ -79,6 +90,7 @@ def main() -> None:
             fns = {
                 "bf16": lambda x=x, w=plain: small_m_linear(x, w),
                 "fp8_tile_dequant": lambda x=x, w=w8: small_m_linear(x, w, post_scale=False),
+                "fp8_post_scale_triton_cvt": lambda x=x, w=w8: _triton_cvt(lambda: small_m_linear(x, w)),
                 "fp8_post_scale": lambda x=x, w=w8: small_m_linear(x, w),
             }
             row = {"shape": what, "N": N, "K": K, "M": M, "calls_per_step": calls,
@@ -89,6 +101,8 @@ def main() -> None:
                 row[f"{name}_GBps"] = _gbps(N * K * (2 if name == "bf16" else 1), us)
                 err = ((fn().double() - ref).norm() / ref.norm()).item()
                 row[f"{name}_rel_err_vs_fp64_dequantized"] = float(f"{err:.3g}")
+            fast, cvt = fns["fp8_post_scale"](), fns["fp8_post_scale_triton_cvt"]()
+            row["bit_moves_equal_triton_cvt"] = torch.equal(fast, cvt)
             rows.append(row)
             print(f"# {N}x{K} M={M}: " + ", ".join(f"{k} {row[f'{k}_us']}" for k in fns), file=sys.stderr)
         if args.sweep:
@@ -100,7 +114,7 @@ def main() -> None:
         mine = [r for r in rows if r["M"] == M]
         step[f"M={M}"] = {
             k: round(sum(r["calls_per_step"] * r[f"{k}_us"] for r in mine), 1)
-            for k in ("bf16", "fp8_tile_dequant", "fp8_post_scale")
+            for k in ("bf16", "fp8_tile_dequant", "fp8_post_scale_triton_cvt", "fp8_post_scale")
         }
     best = {}
     for r in sweep:

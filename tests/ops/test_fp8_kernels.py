@@ -204,3 +204,42 @@ def test_fp8_gemv_replays_in_a_cuda_graph():
         out = small_m_linear(x, w)
     graph.replay()
     assert torch.equal(out, want)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_fp8_codes_by_bit_moves_are_triton_conversions(monkeypatch) -> None:
+    """common.fp8_codes' bit moves give every finite E4M3 code's bf16 value (subnormals, zeros, signs),
+    as Triton's own conversion does, and the FP8 GEMV (at decode's row counts) the same bits either way."""
+    import triton
+    import triton.language as tl
+
+    from nextserve.ops.triton import common
+    from nextserve.ops.triton.gemv import small_m_linear
+
+    @triton.jit
+    def convert(src, dst, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        w = tl.load(src + offs, mask=offs < n, other=0.0)
+        tl.store(dst + offs, common.fp8_codes(w, tl.bfloat16, FAST), mask=offs < n)
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # the two NaN codes left out
+    fast, slow = (torch.empty(len(codes), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    convert[(1,)](codes, fast, len(codes), FAST=True, BLOCK=256)
+    convert[(1,)](codes, slow, len(codes), FAST=False, BLOCK=256)
+    assert torch.equal(fast.view(torch.int16), slow.view(torch.int16))
+    assert torch.equal(fast, codes.to(torch.bfloat16))
+
+    def both(fn):
+        on = fn()
+        monkeypatch.setattr(common, "FP8_BIT_MOVES", [False])
+        off = fn()
+        monkeypatch.setattr(common, "FP8_BIT_MOVES", [True])
+        return on, off
+
+    w = _fp8(2560, 6144, seed=3)
+    for M in (1, 7, 16, 17, 40):
+        x = torch.randn(M, 6144, device="cuda", dtype=torch.bfloat16)
+        on, off = both(lambda x=x: small_m_linear(x, w))
+        assert torch.equal(on, off)

@@ -35,7 +35,10 @@
 # MIN_SPLIT_K_TILES tiles, not worth the second launch. BLOCK_K keeps each weight tile at 8 KiB, with
 # num_stages - 1 tiles in flight per program. benchmarks/bench_small_m_gemm.py --sweep measures the
 # alternatives. An FP8 weight has its own rule (`_config(..., fp8=True)`): tiles of one 128-column scale
-# block, up to 8 KiB of FP8 codes; benchmarks/bench_fp8_gemv.py --sweep measures those.
+# block, up to 8 KiB of FP8 codes; benchmarks/bench_fp8_gemv.py --sweep measures those. In bf16 its codes
+# become bf16 by bit moves (common.fp8_codes), not by Triton's conversion (five conversion instructions
+# per two codes): the same bits, 1.10-1.16x faster on the decode projections (BENCHMARKS.md, session 17).
+# The grouped experts keep Triton's conversion: the bit moves there measured slower (same session).
 """
 
 from __future__ import annotations
@@ -48,7 +51,16 @@ import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Weight
-from .common import COUNTERS, launch_pdl, pdl_start, sigmoid, tile_counters, unit_stride
+from .common import (
+    COUNTERS,
+    fp8_bit_moves,
+    fp8_codes,
+    launch_pdl,
+    pdl_start,
+    sigmoid,
+    tile_counters,
+    unit_stride,
+)
 
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
@@ -148,6 +160,7 @@ def _small_m_gemm(
     PRELOAD: tl.constexpr = 0, SILU_COLS: tl.constexpr = 0, silu_scale=1.0,
     MIX_N: tl.constexpr = 0, mix_x_ptr=None, MIX_H=1, stride_mx=0, mix_inv_n=1.0,
     W_FP8: tl.constexpr = False, s_ptr=None, stride_sn=0, K_BLOCKS=1, POST_SCALE: tl.constexpr = False,
+    FAST_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -223,7 +236,7 @@ def _small_m_gemm(
     x_ptrs += PRELOAD * BLOCK_K
     w_ptrs += PRELOAD * BLOCK_K
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
-        w = _weight_tile(w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST)
+        w = _weight_tile(w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST, FAST_FP8)
         c = _tile_scale(s_rows, k0, col_ok, POST)
         acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE, c, POST)
         x_ptrs += BLOCK_K
@@ -260,16 +273,17 @@ def _small_m_gemm(
 @triton.jit
 def _weight_tile(
     w_ptrs, mask_n, k0, rk, k_hi, W_FP8: tl.constexpr, s_rows, col_ok, K_BLOCKS, ty: tl.constexpr,
-    POST: tl.constexpr = False,
+    POST: tl.constexpr = False, FAST: tl.constexpr = False,
 ):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. FP8: each
     value times its 128 x 128 block's scale in float32, rounded to ty (ops/fp8.py dequantize's roundings),
     from the two scale columns a tile of up to 256 K columns starting on a multiple of BLOCK_K can touch;
-    with POST the codes only, in ty (exact: every E4M3 value is a 16-bit float), scaled after the dot."""
+    with POST the codes only, in ty (exact: every E4M3 value is a 16-bit float; FAST: by bit moves,
+    common.fp8_codes), scaled after the dot."""
     kk = k0 + rk
     w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
     if POST:
-        w = w.to(ty)
+        w = fp8_codes(w, ty, FAST)
     elif W_FP8:
         kb = k0 // 128
         s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
@@ -375,7 +389,7 @@ def small_m_linear(
     `post_scale=False` runs an FP8 weight as a dequantized tile in the 16-bit configuration instead (the
     path before POST_SCALE, kept for the benchmark's side by side)."""
     x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
-    weight, fp8 = _weight_args(weight, post_scale)
+    weight, fp8 = _weight_args(weight, x, post_scale)
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K, (x.shape, weight.shape)
@@ -423,7 +437,7 @@ def small_m_linear_mix(
     as the GEMV's are. None where the weight's configuration does not allow it (K split, or a tile not a
     whole number of positions' streams)."""
     x = unit_stride(x)
-    (weight, fp8), xn = _weight_args(weight), unit_stride(xn)
+    (weight, fp8), xn = _weight_args(weight, x), unit_stride(xn)
     M, K = x.shape
     N = weight.shape[0]
     cfg = _config(N, K, x.dtype, fp8=bool(fp8))
@@ -446,7 +460,9 @@ def small_m_linear_mix(
     return u
 
 
-def _weight_args(weight: torch.Tensor | Fp8Weight, post_scale: bool = True) -> tuple[torch.Tensor, dict]:
+def _weight_args(
+    weight: torch.Tensor | Fp8Weight, x: torch.Tensor, post_scale: bool = True
+) -> tuple[torch.Tensor, dict]:
     """The weight values a kernel reads and, for FP8 weights, its scale arguments.
 
     # NOTE: an FP8 weight runs its own configuration (`_config(N, K, x.dtype, fp8=True)`): tiles of one
@@ -462,4 +478,5 @@ def _weight_args(weight: torch.Tensor | Fp8Weight, post_scale: bool = True) -> t
         return weight.contiguous(), {}
     q, scale = weight.q.contiguous(), weight.scale.contiguous()
     args = dict(W_FP8=True, s_ptr=scale, stride_sn=scale.stride(0), K_BLOCKS=scale.shape[1])
-    return q, args | dict(POST_SCALE=post_scale)
+    fast = post_scale and x.dtype == torch.bfloat16 and fp8_bit_moves(x)  # (fp16: Triton's one cvt)
+    return q, args | dict(POST_SCALE=post_scale, FAST_FP8=fast)
