@@ -37,7 +37,7 @@
 # alternatives. An FP8 weight has its own rule (`_config(..., fp8=True)`): tiles of one 128-column scale
 # block, up to 8 KiB of FP8 codes; benchmarks/bench_fp8_gemv.py --sweep measures those. In bf16 its codes
 # become bf16 by bit moves (common.fp8_codes), not by Triton's conversion (five conversion instructions
-# per two codes): the same bits, 1.10-1.16x faster on the decode projections (BENCHMARKS.md, session 17).
+# per two codes): the same bits, 1.07-1.16x faster on the decode projections (BENCHMARKS.md, session 17).
 # The grouped experts keep Triton's conversion: the bit moves there measured slower (same session).
 """
 
