@@ -149,9 +149,8 @@ class Scheduler:
         if len(plan.verifies) != 1 or plan.prefills or plan.decodes or len(self.running) != 1:
             return
         ch = plan.verifies[0]
-        limit = ch.seq.token_budget() - ch.seq.num_computed - 1  # drafts and guess together (`_drafts`)
-        if len(ch.drafts) == self.proposer.k:
-            ch.guess = tuple(self.proposer.guess(ch.seq, limit))
+        if len(ch.drafts) == self.proposer.k:  # (the limit is the drafts' and the guess's together)
+            ch.guess = tuple(self.proposer.guess(ch.seq, _draft_limit(ch.seq)))
 
     def _prefill_chunks(self, seq: Sequence, plan: StepPlan) -> None:
         """Add seq's next prompt chunks to the plan, up to `prefill_chunks` a step in all.
@@ -208,8 +207,7 @@ class Scheduler:
         positions stay below seq.token_budget() (`_grow` reserves its pages)."""
         if self.proposer is None or seq.constraint is not None:
             return ()
-        limit = seq.token_budget() - seq.num_computed - 1
-        return tuple(self.proposer.drafts(seq, limit))
+        return tuple(self.proposer.drafts(seq, _draft_limit(seq)))
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence wherever it is and return its pages and slot at once."""
@@ -228,3 +226,9 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _draft_limit(seq: Sequence) -> int:
+    """Most tokens a verify window may propose after seq's last token: its positions stay below the
+    sequence's token budget (whose pages `_grow` reserves)."""
+    return seq.token_budget() - seq.num_computed - 1

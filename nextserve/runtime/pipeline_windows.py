@@ -33,7 +33,7 @@ from ..cache.states import StateSlots
 from ..config import EngineConfig
 from ..step_plan import Chunk, TokenLogprob
 from .stage_codec import wire_type
-from .windows import plain_greedy
+from .windows import plain_greedy, sample_window
 
 
 def mtp_tokens(config: EngineConfig) -> int:
@@ -80,15 +80,16 @@ def pair_chunk(ch: Chunk) -> Chunk:
 def sample_pair(
     ch: Chunk, first: torch.Tensor, second: Callable[[], torch.Tensor], eos: int | None
 ) -> tuple[list[tuple[int, TokenLogprob | None]], bool]:
-    """The rows of `ch`'s window (logits first [W, V]) sampled in order as windows.sample_window does, then,
-    if all held, its last sampled token is the guess's first and none of them ends the request, the rows
-    of the guessed window (second() [W2, V]: asked for only then) as the rows after them in one window of
+    """The rows of `ch`'s window (logits first [W, V]) sampled in order (windows.sample_window), then, if
+    all held, its last sampled token is the guess's first and none of them ends the request, the rows of
+    the guessed window (second() [W2, V]: asked for only then) as the rows after them in one window of
     ch.drafts + ch.guess. Returns the sampled rows and whether the guessed window was used (held)."""
     drafts, W, p = ch.drafts + ch.guess, first.shape[0], ch.seq.params
     halves, tops = [first], []
     greedy = plain_greedy(ch)
 
     def row(j: int) -> tuple[int, TokenLogprob | None]:
+        """Row j of the pair as the request's sampler picks it (after the pair's tokens before it)."""
         half, i = divmod(j, W)
         if greedy:
             if len(tops) <= half:
@@ -96,16 +97,12 @@ def sample_pair(
             return tops[half][i], None
         return ch.seq.sample(halves[half][i].float().cpu(), drafts[:j])
 
-    sampled: list[tuple[int, TokenLogprob | None]] = []
-    for j in range(len(drafts) + 1):
-        if j == W:
-            if any(t in p.stop_token_ids or (t == eos and not p.ignore_eos) for t, _ in sampled):
-                break  # the request ends inside window n: the guess would be cut off anyway
-            halves.append(second())
-        sampled.append(row(j))
-        if j == len(drafts) or sampled[-1][0] != drafts[j]:
-            break
-    return sampled, len(halves) > 1
+    sampled = sample_window(ch, row)
+    ends = any(t in p.stop_token_ids or (t == eos and not p.ignore_eos) for t, _ in sampled)
+    if len(sampled) < W or sampled[-1][0] != ch.guess[0] or ends:  # (an end: the guess would be cut off)
+        return sampled, False
+    halves.append(second())
+    return sampled + sample_window(replace(ch, drafts=ch.guess[1:]), lambda j: row(W + j)), True
 
 
 def commit_location(states: StateSlots, slot: int, shadow: int, W: int, W2: int, n_kept: int) -> int:
