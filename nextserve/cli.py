@@ -75,6 +75,11 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "pipeline_prefill_chunks": "with pipeline stages: a prompt's chunks one step sends in, each passed on as "
     "soon as a stage is done with it, so chunk i+1 runs on stage 0 while chunk i is on stage 1 (auto: one "
     "per stage; 1: the stages take turns); outputs unchanged",
+    "prefill_batch_chunks": "one process: prompt chunks one step runs in one forward, of one prompt or of "
+    "several (a prompt's run stops at its next prefix image point; chunks of equal length go together): "
+    "each chunk computed exactly as alone, except that their routed experts run as one grouped call, so each "
+    "expert's weights are read once for all of them (outputs unchanged; a longer step delays the decodes "
+    "beside it)",
     "head_embedding": "with pipeline stages and mtp speculation: where the last stage's MTP block reads the "
     "token embeddings (stage 0 holds the model's table): device, a second copy in the last stage's GPU "
     "memory; host, one pinned host copy read over the bus by a kernel (zero-copy), saving that GPU the "

@@ -287,6 +287,8 @@ class EngineConfig:
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
+    # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
+    prefill_batch_chunks: int = 1
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
     pipeline_windows: bool = False  # front stages run the MTP-guessed next window while the last verifies
@@ -364,6 +366,14 @@ class EngineConfig:
                 raise ConfigError(
                     "pipeline_prefill_chunks > 1 keeps pipeline stages busy: it needs pipeline_stages > 1"
                 )
+        batch = self.prefill_batch_chunks
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 64:
+            raise ConfigError(f"prefill_batch_chunks must be in 1..64, got {batch!r}")
+        if batch > 1 and self.pipeline_stages > 1:
+            raise ConfigError(
+                "prefill_batch_chunks > 1 runs several prompt chunks in one forward of one process; with "
+                "pipeline stages a step's chunks overlap across the stages (--pipeline-prefill-chunks)"
+            )
         if self.stage_transport not in ("auto", "nccl", "host"):
             raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
         if self.head_embedding not in ("device", "host"):
@@ -425,7 +435,10 @@ class EngineConfig:
         return self.max_concurrency + int(self.pipeline_windows)
 
     def prefill_chunks_per_step(self) -> int:
-        """How many of a prompt's chunks one step sends into the pipeline (auto: one per stage)."""
+        """Prompt chunks one step runs at most: one process, prefill_batch_chunks (in one forward); with
+        pipeline stages, those a step sends in (auto: one per stage)."""
+        if self.pipeline_stages == 1:
+            return self.prefill_batch_chunks
         chunks = self.pipeline_prefill_chunks
         return self.pipeline_stages if chunks == "auto" else chunks
 

@@ -124,6 +124,16 @@ def module_bytes(module: nn.Module, prefix: str = "") -> dict[tuple[str, str], i
     return out
 
 
+def headroom_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes kept free beside the weights, slots and KV pool: --memory-headroom-mib, plus, with
+    --prefill-batch-chunks N > 1, what the other N - 1 chunks of a forward hold at once (each chunk's
+    streams and block input, the routed experts' rows of all of them: an estimate per token)."""
+    extra_chunks = config.prefill_batch_chunks - 1 if config.pipeline_stages == 1 else 0
+    H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    per_token = dtype.itemsize * (3 * cfg.hc_hidden + 4 * H + k * (H + I))
+    return config.memory_headroom_mib * 2**20 + extra_chunks * config.prefill_chunk * per_token
+
+
 def state_plan(
     config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, steps: int
 ) -> MemoryPlan:
@@ -133,7 +143,7 @@ def state_plan(
     return MemoryPlan(
         device, slot_bytes=StateSlots.slot_bytes(cfg, kinds, dtype),
         slots=1 + config.max_concurrency, keep_slots=config.max_concurrency * steps,
-        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype), headroom=config.memory_headroom_mib * 2**20,
+        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype), headroom=headroom_bytes(config, cfg, dtype),
     )  # fmt: skip
 
 

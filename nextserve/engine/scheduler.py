@@ -1,6 +1,6 @@
-"""Who runs next: admission under the slot and page limits, one prefill chunk per step between
-decode steps (with pipeline stages, one per stage), all decoding sequences together; pages taken as
-sequences grow, and preemption to host memory when they run short."""
+"""Who runs next: admission under the slot and page limits, prefill chunks between decode steps (one a
+step, or --prefill-batch-chunks in one forward; with pipeline stages, one per stage), all decoding
+sequences together; pages taken as sequences grow, and preemption to host memory when they run short."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ class Scheduler:
         prefill_chunks: int = 1,
         guess_windows: bool = False,
     ) -> None:
-        """`prefill_chunks`: prompt chunks a step runs at most (more than one only with pipeline stages,
-        which run a step's items one after another, each passed on as soon as it is done). `kv_lag`:
+        """`prefill_chunks`: prompt chunks a step runs at most (one process: in one forward, each computed
+        as alone; pipeline stages run a step's items one after another, each passed on as soon as it is
+        done). `kv_lag`:
         positions before a sequence's committed end that it still writes (SequenceCache.lag; 1 with MTP
         drafting). `lookahead`: positions past a decode chunk's end that the step may write (a verify
         window's drafts, the MTP block's chain, pipeline decode rounds, a guessed window), reserved with
@@ -156,9 +157,10 @@ class Scheduler:
         """Add seq's next prompt chunks to the plan, up to `prefill_chunks` a step in all.
 
         # NOTE: chunks lie on the grid of multiples of prefill_chunk from position 0 (C1). With several
-        # a step (pipeline stages: chunk i + 1 runs on stage 0 while chunk i is on stage 1, each stage
-        # running its items in order), a sequence's run of chunks stops at its first image point, since
-        # an image is the state a step leaves (engine._keep_image snapshots after the step)."""
+        # a step (one process: one forward computing each as alone; pipeline stages: chunk i + 1 runs on
+        # stage 0 while chunk i is on stage 1, each stage running its items in order), a sequence's run of
+        # chunks stops at its first image point, since an image is the state a step leaves
+        # (engine._keep_image snapshots after the step)."""
         start, n = seq.num_computed, len(seq.prompt_ids)
         while len(plan.prefills) < self.prefill_chunks and start < n:
             end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, n)

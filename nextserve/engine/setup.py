@@ -24,7 +24,7 @@ from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
-from .memory_plan import MemoryPlan, module_bytes, plan_memory, state_plan
+from .memory_plan import MemoryPlan, headroom_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
 log = logging.getLogger("nextserve.engine")
@@ -177,7 +177,7 @@ def kv_capacity(
     cap = config.kv_capacity
     if cap != "auto":
         return int(cap), prefix_images(config, int(cap) * per_token, slot)
-    headroom = config.memory_headroom_mib * 2**20
+    headroom = headroom_bytes(config, cfg, dtype)
     if device.type == "cuda" and stages is not None:
         ranges, devices, steps = stages
         mtp = config.speculative_method == "mtp"

@@ -28,13 +28,26 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
         """x [T, nH] streams -> [T, nH]."""
         ri = batch.row_invariant
+        x = self._mixer(x, batch, rope)
+        return self.mlp_hyper_connection(x, lambda u: self.mlp(u, ri), ri)
+
+    def _mixer(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        """[PLE] and the token mixer (GDN or QSA) with its hyper-connection: x [T, nH] -> [T, nH]."""
+        ri = batch.row_invariant
         if self.ple is not None:
             x = x + self.ple(x, batch)
         if self.is_gdn:
-            x = self.attn_hyper_connection(x, lambda u: self.linear_attn(u, batch), ri)
-        else:
-            x = self.attn_hyper_connection(x, lambda u: self.self_attn(u, batch, *rope), ri)
-        return self.mlp_hyper_connection(x, lambda u: self.mlp(u, ri), ri)
+            return self.attn_hyper_connection(x, lambda u: self.linear_attn(u, batch), ri)
+        return self.attn_hyper_connection(x, lambda u: self.self_attn(u, batch, *rope), ri)
+
+    def forward_chunks(
+        self, xs: list[torch.Tensor], batches: list[ForwardBatch], ropes: list
+    ) -> list[torch.Tensor]:
+        """Prefill chunks of equal length, each with its one-chunk batch and rope (in order: a sequence's
+        chunks read the state its earlier ones leave): every op as `forward` runs it on that chunk alone,
+        except the routed experts, one call for all (SparseMoe.forward_chunks)."""
+        xs = [self._mixer(x, b, r) for x, b, r in zip(xs, batches, ropes, strict=True)]
+        return self.mlp_hyper_connection.forward_chunks(xs, self.mlp.forward_chunks)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch, rope) -> torch.Tensor:
         """x [B, nH] streams of decode rows -> [B, nH]; every op row-invariant."""

@@ -112,6 +112,21 @@ class FlashNext(nn.Module):
             x = layer(x, batch, rope)
         return x
 
+    def forward_chunks(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
+        """Prefill chunks of equal length, one a batch (a sequence's chunks in order), on the first stage:
+        each one's streams [n, nH] after this stage's layers, bit for bit what `forward` gives it alone.
+
+        # NOTE: layer by layer, every op runs on each chunk's own tensors as it does alone (a sequence's
+        # later chunk after its earlier one, reading the state that one left), except the routed experts:
+        # one grouped call for all the chunks with one chunk's blocks (ops.moe.experts_of_chunks), so each
+        # expert's weights are read once for them all."""
+        assert all(not b.row_invariant and len(b.chunks) == 1 for b in batches)
+        xs = [self.embed(b.input_ids) for b in batches]
+        ropes = [self.rope(b.positions, xs[0].dtype) for b in batches]
+        for layer in self.layers.values():
+            xs = layer.forward_chunks(xs, batches, ropes)
+        return xs
+
     def decode(self, batch: DecodeBatch, x: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row for B sequences: streams [B, nH] after this stage's last layer."""
         return self.window(WindowBatch.of(batch), x)

@@ -51,3 +51,10 @@ class GatedResidual(nn.Module):
         u, v = self.mix(x, ri)  # v [T, n]
         y = block(u)  # [T, H]
         return inject(x, y, v, self.n, ri)
+
+    def forward_chunks(self, xs: list[torch.Tensor], block_chunks) -> list[torch.Tensor]:
+        """`forward` of prefill chunks xs[i] [n_i, nH], each as alone; block_chunks maps their block inputs
+        (a list) to their block outputs (a list) at once."""
+        mixes = [self.mix(x, False) for x in xs]
+        ys = block_chunks([u for u, _ in mixes])
+        return [inject(x, y, v, self.n, False) for x, y, (_, v) in zip(xs, ys, mixes, strict=True)]

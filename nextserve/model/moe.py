@@ -6,7 +6,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.fp8 import Fp8Weight
 from ..ops.linear import linear
-from ..ops.moe import experts, route
+from ..ops.moe import experts, experts_of_chunks, route
 from ..ops.pointwise import sigmoid_gate, silu_mul
 from .params import Projection, fuse_rows, operand_of, project
 
@@ -97,6 +97,19 @@ class SparseMoe(nn.Module):
         w, ids = route(router, self.top_k, self.norm_topk, ri)
         routed = experts(u, w, ids, self.experts.gate_up, self.experts.down, ri)
         return sigmoid_gate(shared, sg, routed, ri)  # routed + sigmoid(sg) * shared
+
+    def forward_chunks(self, us: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Prefill chunks of equal length us[i] [n, H], each computed as `forward` computes it alone, except
+        that the routed experts of all of them run as one grouped call (ops.moe.experts_of_chunks)."""
+        parts = []
+        for u in us:
+            router, sg, g, up = self._project(u, False)
+            shared = self.shared_expert(u, False, (g, up))
+            w, ids = route(router, self.top_k, self.norm_topk, False)
+            parts.append((shared, sg, w, ids))
+        ex = self.experts
+        routed = experts_of_chunks(us, [p[2] for p in parts], [p[3] for p in parts], ex.gate_up, ex.down)
+        return [sigmoid_gate(sh, sg, r, False) for (sh, sg, _, _), r in zip(parts, routed, strict=True)]
 
     def _project(self, u: torch.Tensor, ri: bool) -> tuple[torch.Tensor, ...]:
         """(router logits, shared-expert gate, shared gate, shared up) of u [T, H]."""

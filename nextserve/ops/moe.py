@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from .fp8 import Fp8Weight
 from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
@@ -87,6 +88,33 @@ def experts(
 
         return grouped_experts(x, weights, ids, gate_up, down, shared=shared)
     return _experts_by_expert(x, weights, ids, gate_up, down, shared)
+
+
+def experts_of_chunks(
+    xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    ids: list[torch.Tensor],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The routed experts of several prefill chunks of equal length (xs[i] [n, H], weights[i] [n, k], ids[i]
+    [n, k]), each chunk's rows with the bits `experts(xs[i], ..., row_invariant=False)` gives it alone.
+
+    # NOTE: on CUDA one grouped call over every chunk's rows with the block sizes one chunk takes alone
+    # (default_block_m of its n*k pairs): the grouped kernels compute a row from its own x row, its experts'
+    # weights and those fixed blocks only (ops/triton/moe_grouped.py, the row-invariance NOTE), so the other
+    # chunks' rows change where a pair lands in a block, not its bits; each active expert's weights are then
+    # read once for all the chunks instead of once a chunk. Elsewhere (the CPU, float64: per-expert GEMMs
+    # whose bits may follow their row count) one call a chunk, which is what each chunk gets alone."""
+    n = xs[0].shape[0]
+    assert all(x.shape[0] == n for x in xs), [x.shape for x in xs]
+    if len(xs) == 1 or not use_kernel(xs[0]):
+        return [experts(x, w, i, gate_up, down, False) for x, w, i in zip(xs, weights, ids, strict=True)]
+    from .triton.moe_grouped import grouped_experts
+
+    block_m = default_block_m(ids[0].numel(), gate_up.shape[0], isinstance(gate_up, Fp8Weight))
+    out = grouped_experts(torch.cat(xs), torch.cat(weights), torch.cat(ids), gate_up, down, block_m=block_m)
+    return list(out.split(n))
 
 
 def _expert(gate_up, down, shared, e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Runs a StepPlan on one device: prefill chunks each as their own forward, decodes as one
+"""Runs a StepPlan on one device: prefill chunks each as their own forward (consecutive ones of equal
+length as one forward that computes each as alone, `FlashNext.forward_chunks`), decodes as one
 row-invariant decode step (a CUDA graph replay where one is captured), then samples the rows that
 choose a token."""
 
@@ -178,15 +179,19 @@ class ModelRunner:
             row_invariant,
         )
 
-    def _prefill(self, ch: Chunk, results: list[ChunkResult]) -> torch.Tensor | None:
-        """The streams of a prefill chunk's rows [n, nH], or None after recording the failure.
+    def _prefill(self, group: list[Chunk], results: list[ChunkResult]) -> list[torch.Tensor] | None:
+        """The streams of each prefill chunk's rows [n, nH] (a group of chunks of equal length runs as one
+        forward that computes each as alone), or None after recording the failure.
 
-        # NOTE: a failed forward fails exactly the request in it: each prefill chunk is its own."""
+        # NOTE: a failed forward fails exactly the requests in it: a chunk alone is its own; a group's
+        # forward holds its chunks' requests, as a decode step holds its rows'."""
         try:
-            return self.model(self._batch([ch], row_invariant=False))
+            if len(group) == 1:
+                return [self.model(self._batch(group, row_invariant=False))]
+            return self.model.forward_chunks([self._batch([ch], row_invariant=False) for ch in group])
         except Exception as exc:  # noqa: BLE001
             log.exception("prefill forward failed")
-            results.append(ChunkResult(ch, error=_describe(exc)))
+            results += [ChunkResult(ch, error=_describe(exc)) for ch in group]
             return None
 
     def execute(self, plan: StepPlan) -> list[ChunkResult]:
@@ -201,19 +206,21 @@ class ModelRunner:
         results: list[ChunkResult] = []
         rows, sample_chunks = [], []
         kept: dict[int, torch.Tensor] = {}  # id(chunk) -> streams of its committed rows, for the MTP
-        # NOTE: a prefill chunk runs alone, exactly as in the serial reference; decode rows share
-        # one row-invariant forward, so each gets the bits it would get alone (C1).
-        for ch in plan.prefills:
-            streams = self._prefill(ch, results)
-            if streams is None:
+        # NOTE: a prefill chunk runs alone, exactly as in the serial reference, or in a group whose
+        # forward computes each chunk as alone; decode rows share one row-invariant forward, so each gets
+        # the bits it would get alone (C1).
+        for group in prefill_groups(plan.prefills):
+            outs = self._prefill(group, results)
+            if outs is None:
                 continue
-            if self.drafter is not None:
-                kept[id(ch)] = streams
-            if ch.sample:
-                rows.append(streams[-1:])
-                sample_chunks.append(ch)
-            else:
-                results.append(ChunkResult(ch))
+            for ch, streams in zip(group, outs, strict=True):
+                if self.drafter is not None:
+                    kept[id(ch)] = streams
+                if ch.sample:
+                    rows.append(streams[-1:])
+                    sample_chunks.append(ch)
+                else:
+                    results.append(ChunkResult(ch))
         if plan.verifies:
             results += self._verify(plan.verifies, kept)
         logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (logits, argmax or None) parts
@@ -344,6 +351,19 @@ class ModelRunner:
                 continue
             results.append(ChunkResult(ch, token, lp))
         return results
+
+
+def prefill_groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """The step's prefill chunks as forwards, in plan order: each run of consecutive chunks of equal length
+    is one group (their routed experts then take one chunk's blocks: ops.moe.experts_of_chunks); a
+    sequence's chunks stay in order, since groups never reorder the plan."""
+    groups: list[list[Chunk]] = []
+    for ch in chunks:
+        if groups and groups[-1][0].end - groups[-1][0].start == ch.end - ch.start:
+            groups[-1].append(ch)
+        else:
+            groups.append([ch])
+    return groups
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:

@@ -45,6 +45,26 @@ def test_batched_equals_alone_on_cuda(tiny_model_dir, dtype: str) -> None:
     assert_pool_full(solo)
 
 
+def test_prefill_batch_chunks_equal_serial_on_cuda(tiny_model_dir) -> None:
+    """--prefill-batch-chunks 4 on the GPU (the routed experts of a forward's chunks in one grouped call):
+    every request's tokens and logprobs equal the serial engine's, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(8, 500, (n,), generator=g).tolist() for n in (140, 5, 5, 64, 64, 33, 96)]
+    flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=8192,
+                 max_context=1024)  # fmt: skip
+    llm = LLM(tiny_model_dir, max_concurrency=8, prefill_batch_chunks=4, **flags)
+    groups, forward_chunks = [], llm.engine.runner.model.forward_chunks
+    llm.engine.runner.model.forward_chunks = lambda b: groups.append(len(b)) or forward_chunks(b)
+    outs = llm.generate(prompts, GREEDY)
+    assert max(groups) == 4, groups
+    solo = LLM(tiny_model_dir, max_concurrency=1, async_scheduling=False, **flags)
+    for prompt, out in zip(prompts, outs, strict=True):
+        (alone,) = solo.generate([prompt], GREEDY)
+        assert out.token_ids == alone.token_ids
+        assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in alone.logprobs]
+    assert_pool_full(llm)
+
+
 def test_cuda_float32_logits_close_to_cpu(tiny_model_dir) -> None:
     flags = dict(dtype="float32", prefill_chunk=32, kv_capacity=2048, max_context=1024, max_concurrency=1)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)

@@ -145,3 +145,20 @@ def test_pinned_empty_is_exact_size_page_locked_and_read_by_the_kernel():
     del view
     gc.collect()
     assert ref() is None
+
+
+def test_fp8_prefill_batch_chunks_equal_serial(fp8_dir):
+    """--prefill-batch-chunks with FP8 experts (their grouped call over a forward's chunks, BLOCK_M of one
+    chunk): the same bits as the serial engine."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(8, 2000, (n,), generator=g).tolist() for n in (140, 5, 5, 64, 96)]
+    llm = LLM(str(fp8_dir), max_concurrency=8, prefill_batch_chunks=4, **FLAGS)
+    groups, forward_chunks = [], llm.engine.runner.model.forward_chunks
+    llm.engine.runner.model.forward_chunks = lambda b: groups.append(len(b)) or forward_chunks(b)
+    outs = llm.generate(prompts, PARAMS[0])
+    assert max(groups) == 4, groups
+    solo = LLM(str(fp8_dir), max_concurrency=1, async_scheduling=False, **FLAGS)
+    for prompt, out in zip(prompts, outs, strict=True):
+        (alone,) = solo.generate([prompt], PARAMS[0])
+        assert out.token_ids == alone.token_ids
+        assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in alone.logprobs]

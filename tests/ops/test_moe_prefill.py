@@ -7,9 +7,10 @@ CUDA."""
 import pytest
 import torch
 from moe_cases import moe_problem, rel_err
-from triton_interp import needs_cuda, small
+from triton_interp import needs_cuda, row_independent_dot, small  # noqa: F401
 
-from nextserve.ops.moe import _experts_by_expert, default_block_m, experts
+from nextserve.ops.fp8 import Fp8Weight, quantize
+from nextserve.ops.moe import _experts_by_expert, default_block_m, experts, experts_of_chunks
 from nextserve.ops.triton.moe_grouped import grouped_experts
 
 SMALL = dict(H=64, E=8, k=2, I=32)
@@ -126,6 +127,28 @@ def test_default_block_m() -> None:
     assert default_block_m(8192 * 10, 512, fp8=True) == 128
 
 
+@small
+@pytest.mark.usefixtures("row_independent_dot")
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_chunks_together_equal_alone(block_m: int) -> None:
+    """Three chunks' rows in one call with the blocks of one chunk: each chunk's rows get the bits of its
+    own call (the kernels' structure: where a pair lands in a block moves its result, not its bits)."""
+    x, w, ids, gu, dn = moe_problem(60, **SMALL, dtype=torch.float32, seed=21)
+    together = grouped_experts(x, w, ids, gu, dn, block_m=block_m)
+    for s in range(0, 60, 20):
+        alone = grouped_experts(x[s : s + 20], w[s : s + 20], ids[s : s + 20], gu, dn, block_m=block_m)
+        assert torch.equal(together[s : s + 20], alone)
+
+
+def test_experts_of_chunks_on_the_cpu_is_one_call_a_chunk() -> None:
+    x, w, ids, gu, dn = moe_problem(30, **SMALL, dtype=torch.float32, seed=22, device="cpu")
+    parts = experts_of_chunks(list(x.split(10)), list(w.split(10)), list(ids.split(10)), gu, dn)
+    for part, s in zip(parts, (0, 10, 20), strict=True):
+        assert torch.equal(part, experts(x[s : s + 10], w[s : s + 10], ids[s : s + 10], gu, dn, False))
+    with pytest.raises(AssertionError):
+        experts_of_chunks([x[:10], x[10:25]], [w[:10], w[10:25]], [ids[:10], ids[10:25]], gu, dn)
+
+
 def test_cpu_path_is_the_reference() -> None:
     """On CPU tensors experts(row_invariant=False) is the per-expert loop, whatever the dtype."""
     x, w, ids, gu, dn = moe_problem(20, **SMALL, dtype=torch.float32, seed=11, device="cpu")
@@ -212,3 +235,24 @@ def test_cuda_graph_capture(real_problem) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, grouped_experts(x, w, ids, gu, dn))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "n,chunks,fp8", [(300, 3, False), (1000, 2, False), (4096, 2, False), (4096, 2, True)]
+)
+def test_chunks_together_equal_alone_on_cuda(real_problem, n: int, chunks: int, fp8: bool) -> None:
+    """experts_of_chunks at the real widths: one grouped call for every chunk's rows, each chunk's rows
+    with the bits experts() gives it alone (BLOCK_M 16, 32, 64; FP8 128 with 8 warps), torch.equal."""
+    _, _, _, gu, dn = real_problem
+    if fp8:
+        gu, dn = Fp8Weight(*quantize(gu)), Fp8Weight(*quantize(dn))
+    x, w, ids, _, _ = moe_problem(
+        n * chunks, REAL["H"], 8, REAL["k"], 8, torch.bfloat16, seed=n, device="cuda"
+    )
+    ids = torch.randint(0, REAL["E"], (n * chunks, REAL["k"]), device="cuda", generator=None)
+    xs, ws, idss = (list(t.split(n)) for t in (x, w, ids))
+    together = experts_of_chunks(xs, ws, idss, gu, dn)
+    for xi, wi, ii, out in zip(xs, ws, idss, together, strict=True):
+        assert torch.equal(out, experts(xi, wi, ii, gu, dn, row_invariant=False))
