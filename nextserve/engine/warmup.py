@@ -11,8 +11,10 @@ prefill chunk was the first whose length was not a multiple of 16).
 # with prefix reuse on, resumed from an image; each decodes two tokens. The routed experts' prefill
 # kernel also takes a BLOCK_M from the chunk's length (ops/moe.py default_block_m: at Flash-Next's
 # widths 16 up to 409 tokens, 32 up to 1,228, 64, and 128 for FP8 experts from 3,277), so each class of
-# lengths it meets below the chunk gets its two kinds too (`tail_lengths`). Then it drops its images and
-# counters: the engine starts as if nothing ran.
+# lengths it meets below the chunk gets its two kinds too (`tail_lengths`). With --prefill-batch-chunks,
+# two one-chunk prompts run together once (a forward of several chunks: the grouped experts over more rows;
+# no kernel takes their row count as a specialised argument, but the path runs before serving all the same).
+# Then it drops its images and counters: the engine starts as if nothing ran.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def moe_block_m(model) -> Callable[[int], int] | None:
     return lambda n: default_block_m(n * moe.top_k, E, fp8)
 
 
+def together(config) -> bool:
+    """Whether the engine runs several prompt chunks in one forward (--prefill-batch-chunks in one
+    process, with room for two sequences)."""
+    return config.pipeline_stages == 1 and config.prefill_batch_chunks > 1 and config.max_concurrency > 1
+
+
 def warm_up(engine) -> float:
     """Run the warm-up requests on `engine` (an LLMEngine); returns the seconds it took."""
     t0 = time.perf_counter()
@@ -79,6 +87,13 @@ def warm_up(engine) -> float:
     prompts = [base + base[:n] for n in tails]  # the second resumes from the first's image at `chunk`
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, request_id=f"nextserve-warm-up-{i}")
+        while engine.has_unfinished():
+            engine.step()
+    if together(engine.config) and chunk + 4 <= engine.max_context:
+        # two one-chunk prompts at once: a forward of several chunks (their routed experts in one call)
+        for i in range(2):
+            prompt = [10 + (t * 7919 + 13 * (i + 1)) % max(1, vocab - 10) for t in range(chunk)]
+            engine.add_request(prompt, params, request_id=f"nextserve-warm-up-together-{i}")
         while engine.has_unfinished():
             engine.step()
     engine.clear_prefix_cache()

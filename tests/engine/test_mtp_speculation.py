@@ -47,6 +47,21 @@ def test_mtp_speculation_gives_the_serial_outputs(params, dtype, k) -> None:
     assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"], s  # both paths of a window ran
 
 
+def test_mtp_with_prefill_batch_chunks_gives_the_serial_outputs() -> None:
+    """--prefill-batch-chunks: the MTP block drafts from each chunk of a forward of several (its rows'
+    streams kept per chunk), and the outputs are the serial ones."""
+    prompts, flags = py_prompts(), FLAGS | {"prefill_chunk": 16}
+    serial = LLM(DEFAULT_MODEL, **flags).generate(prompts, GREEDY)
+    llm = LLM(DEFAULT_MODEL, speculative_method="mtp", speculative_tokens=2, prefill_batch_chunks=4, **flags)
+    groups, forward_chunks = [], llm.engine.runner.model.forward_chunks
+    llm.engine.runner.model.forward_chunks = lambda b: groups.append(len(b)) or forward_chunks(b)
+    same(serial, llm.generate(prompts, GREEDY))
+    assert groups and max(groups) > 1, groups
+    pool_full(llm)
+    s = llm.stats()
+    assert 0 < s["spec_accepted_tokens"], s
+
+
 def test_mtp_speculation_on_a_random_model(small_model_dir) -> None:
     """A random checkpoint's MTP (its drafts about always wrong): still the serial outputs."""
     prompts = spec_prompts()

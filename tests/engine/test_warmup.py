@@ -30,6 +30,15 @@ def test_warm_up_runs_the_tails_that_fit_and_leaves_nothing(oracle_llm, caplog, 
     assert len(out.token_ids) == 2 and out.cached_tokens == 0
 
 
+def test_warm_up_runs_chunks_together_with_prefill_batch_chunks(oracle_llm) -> None:
+    llm = oracle_llm(max_context=256, prefill_chunk=16, prefill_batch_chunks=2)
+    groups, forward_chunks = [], llm.engine.runner.model.forward_chunks
+    llm.engine.runner.model.forward_chunks = lambda b: groups.append(len(b)) or forward_chunks(b)
+    warm_up(llm.engine)
+    assert groups == [2]
+    assert llm.stats()["prefix_images"] == 0 and llm.stats()["running"] == 0
+
+
 def test_tails_reach_past_the_fla_threshold() -> None:
     """A chunk longer than FLA_MIN_TOKENS meets fla at both specialisations (a multiple of 16 and not)."""
     long = [n for n in TAILS if n > FLA_MIN_TOKENS]

@@ -42,11 +42,13 @@ def _requests(llm) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for p in prompts:  # one at a time: later ones resume from earlier ones' images
         llm.generate([p], params)
+    llm.generate([base[:5], base[1:6], base[2:70], list(range(9, 140))], params)  # at once
 
 
-def test_no_compile_after_the_warm_up(tiny_model_dir) -> None:
+@pytest.mark.parametrize("batch_chunks", [1, 4])
+def test_no_compile_after_the_warm_up(tiny_model_dir, batch_chunks: int) -> None:
     flags = dict(device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=4096,
-                 max_context=1024, max_concurrency=4)  # fmt: skip
+                 max_context=1024, max_concurrency=4, prefill_batch_chunks=batch_chunks)  # fmt: skip
     llm = LLM(tiny_model_dir, **flags)
     before = compiled_kernels()
     assert sum(before.values()) > 0  # the warm-up and the graph capture compiled them

@@ -145,6 +145,13 @@ def test_prefill_batch_chunks_limits_and_stages() -> None:
     assert EngineConfig(pipeline_stages=2).prefill_chunks_per_step() == 2  # (auto: one per stage)
 
 
+def test_the_flag_reaches_the_engine_config() -> None:
+    from nextserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--prefill-batch-chunks", "4"])
+    assert engine_config_from_args(args).prefill_batch_chunks == 4
+
+
 def test_headroom_grows_with_the_chunks_of_a_forward(oracle_config) -> None:
     from nextserve.engine.memory_plan import headroom_bytes
 

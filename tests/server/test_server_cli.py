@@ -48,6 +48,7 @@ KNOWN_VALUES = {
     "prefix_cache_images": 5,
     "host_state_slots": 3,
     "speculative_method": "mtp",  # (--pipeline-windows, flipped on, needs it)
+    "prefill_batch_chunks": 1,  # (more is one process's: --pipeline-stages is 2 here)
 }
 
 
