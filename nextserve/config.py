@@ -30,6 +30,9 @@ class ConfigError(ValueError):
     """A model directory or flag that cannot be used, with a message that names the problem."""
 
 
+AUTO_PREFILL_BATCH_CHUNKS = 4  # --prefill-batch-chunks auto in one process (BENCHMARKS.md, session 18)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -288,7 +291,9 @@ class EngineConfig:
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
-    prefill_batch_chunks: int = 1
+    # (auto: 4 in one process, BENCHMARKS.md session 18: a cold 62.7K prompt 1.14x, four 16K prompts 1.20x,
+    # 1K prompts 1.40x; with pipeline stages --pipeline-prefill-chunks applies instead)
+    prefill_batch_chunks: int | str = "auto"
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
     pipeline_windows: bool = False  # front stages run the MTP-guessed next window while the last verifies
@@ -367,9 +372,11 @@ class EngineConfig:
                     "pipeline_prefill_chunks > 1 keeps pipeline stages busy: it needs pipeline_stages > 1"
                 )
         batch = self.prefill_batch_chunks
-        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 64:
-            raise ConfigError(f"prefill_batch_chunks must be in 1..64, got {batch!r}")
-        if batch > 1 and self.pipeline_stages > 1:
+        if batch != "auto" and (
+            not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 64
+        ):
+            raise ConfigError(f"prefill_batch_chunks must be 'auto' or in 1..64, got {batch!r}")
+        if batch != "auto" and batch > 1 and self.pipeline_stages > 1:
             raise ConfigError(
                 "prefill_batch_chunks > 1 runs several prompt chunks in one forward of one process; with "
                 "pipeline stages a step's chunks overlap across the stages (--pipeline-prefill-chunks)"
@@ -438,7 +445,8 @@ class EngineConfig:
         """Prompt chunks one step runs at most: one process, prefill_batch_chunks (in one forward); with
         pipeline stages, those a step sends in (auto: one per stage)."""
         if self.pipeline_stages == 1:
-            return self.prefill_batch_chunks
+            batch = self.prefill_batch_chunks
+            return AUTO_PREFILL_BATCH_CHUNKS if batch == "auto" else batch
         chunks = self.pipeline_prefill_chunks
         return self.pipeline_stages if chunks == "auto" else chunks
 

@@ -72,7 +72,7 @@ def moe_block_m(model) -> Callable[[int], int] | None:
 def together(config) -> bool:
     """Whether the engine runs several prompt chunks in one forward (--prefill-batch-chunks in one
     process, with room for two sequences)."""
-    return config.pipeline_stages == 1 and config.prefill_batch_chunks > 1 and config.max_concurrency > 1
+    return config.pipeline_stages == 1 and config.prefill_chunks_per_step() > 1 and config.max_concurrency > 1
 
 
 def warm_up(engine) -> float:

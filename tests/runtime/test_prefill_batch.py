@@ -131,18 +131,20 @@ def test_a_failed_group_fails_its_requests_only(oracle_llm) -> None:
     assert_pool_full(llm)
 
 
-@pytest.mark.parametrize("bad", [0, 65, -1, "4", True, 2.0])
+@pytest.mark.parametrize("bad", [0, 65, -1, "4", "", True, 2.0, None])
 def test_prefill_batch_chunks_bad_values(bad) -> None:
     with pytest.raises(ConfigError, match="prefill_batch_chunks"):
         EngineConfig(prefill_batch_chunks=bad)
 
 
 def test_prefill_batch_chunks_limits_and_stages() -> None:
+    assert EngineConfig().prefill_chunks_per_step() == 4  # auto in one process
     assert EngineConfig(prefill_batch_chunks=1).prefill_chunks_per_step() == 1
     assert EngineConfig(prefill_batch_chunks=64).prefill_chunks_per_step() == 64
     with pytest.raises(ConfigError, match="pipeline stages"):
         EngineConfig(prefill_batch_chunks=2, pipeline_stages=2)
     assert EngineConfig(pipeline_stages=2).prefill_chunks_per_step() == 2  # (auto: one per stage)
+    assert EngineConfig(pipeline_stages=2, prefill_batch_chunks=1).prefill_chunks_per_step() == 2
 
 
 def test_the_flag_reaches_the_engine_config() -> None:
@@ -155,9 +157,15 @@ def test_the_flag_reaches_the_engine_config() -> None:
 def test_headroom_grows_with_the_chunks_of_a_forward(oracle_config) -> None:
     from nextserve.engine.memory_plan import headroom_bytes
 
-    one = headroom_bytes(EngineConfig(prefill_chunk=64), oracle_config, torch.bfloat16)
+    one = headroom_bytes(
+        EngineConfig(prefill_chunk=64, prefill_batch_chunks=1), oracle_config, torch.bfloat16
+    )
     four = headroom_bytes(
         EngineConfig(prefill_chunk=64, prefill_batch_chunks=4), oracle_config, torch.bfloat16
     )
     assert one == EngineConfig().memory_headroom_mib * 2**20 and four > one
+    auto = headroom_bytes(EngineConfig(prefill_chunk=64), oracle_config, torch.bfloat16)
+    assert auto == four
+    stages = EngineConfig(prefill_chunk=64, pipeline_stages=2)
+    assert headroom_bytes(stages, oracle_config, torch.bfloat16) == one
     assert (four - one) % (3 * 64) == 0  # three more chunks' activations, per token
