@@ -148,7 +148,11 @@ def test_stage_flags_on_the_command_line() -> None:
     assert c.pipeline_prefill_chunks == "auto" and c.prefill_chunks_per_step() == 2
     c = engine_config_from_args(build_parser().parse_args([*argv, "--pipeline-prefill-chunks", "5"]))
     assert c.prefill_chunks_per_step() == 5
-    assert EngineConfig(device="cpu", pipeline_prefill_chunks=1).prefill_chunks_per_step() == 1
+    # one process: --pipeline-prefill-chunks 1 is the default, and the step's chunks are
+    # --prefill-batch-chunks (auto: 4, in one forward)
+    one = EngineConfig(device="cpu", pipeline_prefill_chunks=1)
+    assert one.prefill_chunks_per_step() == 4
+    assert EngineConfig(device="cpu", prefill_batch_chunks=1).prefill_chunks_per_step() == 1
     argv = ["serve", "--device", "cpu", "--pipeline-stages", "2", "--stage-transport", "nccl"]
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         engine_config_from_args(build_parser().parse_args(argv))
