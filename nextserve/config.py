@@ -30,7 +30,9 @@ class ConfigError(ValueError):
     """A model directory or flag that cannot be used, with a message that names the problem."""
 
 
-AUTO_PREFILL_BATCH_CHUNKS = 4  # --prefill-batch-chunks auto in one process (BENCHMARKS.md, session 18)
+# --prefill-batch-chunks auto in one process: chunks up to this many tokens a forward (vLLM's prefill step;
+# 4 chunks at the default 4,096: BENCHMARKS.md, session 18)
+AUTO_PREFILL_BATCH_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -291,8 +293,8 @@ class EngineConfig:
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
-    # (auto: 4 in one process, BENCHMARKS.md session 18: a cold 62.7K prompt 1.14x, four 16K prompts 1.20x,
-    # 1K prompts 1.40x; with pipeline stages --pipeline-prefill-chunks applies instead)
+    # (auto: 16,384 tokens a forward in one process, 4 chunks at the default chunk; BENCHMARKS.md session 18:
+    # a cold 62.7K prompt 1.14x, four 16K prompts 1.20x, 1K prompts 1.40x; with pipeline stages one)
     prefill_batch_chunks: int | str = "auto"
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
@@ -446,7 +448,9 @@ class EngineConfig:
         pipeline stages, those a step sends in (auto: one per stage)."""
         if self.pipeline_stages == 1:
             batch = self.prefill_batch_chunks
-            return AUTO_PREFILL_BATCH_CHUNKS if batch == "auto" else batch
+            if batch == "auto":
+                return max(1, min(64, AUTO_PREFILL_BATCH_TOKENS // self.prefill_chunk))
+            return batch
         chunks = self.pipeline_prefill_chunks
         return self.pipeline_stages if chunks == "auto" else chunks
 

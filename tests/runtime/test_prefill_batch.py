@@ -138,7 +138,11 @@ def test_prefill_batch_chunks_bad_values(bad) -> None:
 
 
 def test_prefill_batch_chunks_limits_and_stages() -> None:
-    assert EngineConfig().prefill_chunks_per_step() == 4  # auto in one process
+    assert EngineConfig().prefill_chunks_per_step() == 4  # auto in one process: 16,384 tokens a forward
+    assert EngineConfig(prefill_chunk=1024).prefill_chunks_per_step() == 16
+    assert EngineConfig(prefill_chunk=16384).prefill_chunks_per_step() == 1
+    assert EngineConfig(prefill_chunk=65536).prefill_chunks_per_step() == 1
+    assert EngineConfig(prefill_chunk=16).prefill_chunks_per_step() == 64
     assert EngineConfig(prefill_batch_chunks=1).prefill_chunks_per_step() == 1
     assert EngineConfig(prefill_batch_chunks=64).prefill_chunks_per_step() == 64
     with pytest.raises(ConfigError, match="pipeline stages"):
@@ -164,8 +168,9 @@ def test_headroom_grows_with_the_chunks_of_a_forward(oracle_config) -> None:
         EngineConfig(prefill_chunk=64, prefill_batch_chunks=4), oracle_config, torch.bfloat16
     )
     assert one == EngineConfig().memory_headroom_mib * 2**20 and four > one
-    auto = headroom_bytes(EngineConfig(prefill_chunk=64), oracle_config, torch.bfloat16)
-    assert auto == four
+    auto = headroom_bytes(EngineConfig(prefill_chunk=4096), oracle_config, torch.bfloat16)  # 4 chunks
+    explicit = EngineConfig(prefill_chunk=4096, prefill_batch_chunks=4)
+    assert auto == headroom_bytes(explicit, oracle_config, torch.bfloat16) > one
     stages = EngineConfig(prefill_chunk=64, pipeline_stages=2)
     assert headroom_bytes(stages, oracle_config, torch.bfloat16) == one
     assert (four - one) % (3 * 64) == 0  # three more chunks' activations, per token
