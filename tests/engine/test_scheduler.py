@@ -153,7 +153,9 @@ def _abort_and_check_freed(llm, eng, seq, rid: str) -> dict:
 
 
 def test_abort_mid_prefill_frees_at_once(oracle_llm, solo_run) -> None:
-    flags = dict(kv_capacity=256, max_context=128, max_concurrency=2)
+    # one chunk a step: the abort lands between chunks, before the prompt's image point (96), whose image
+    # would keep its pages (several chunks a step reach it in the first step)
+    flags = dict(kv_capacity=256, max_context=128, max_concurrency=2, prefill_batch_chunks=1)
     llm = oracle_llm(**flags)
     eng = llm.engine
     other_prompt = prompt(12, 7)
