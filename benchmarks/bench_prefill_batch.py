@@ -98,9 +98,8 @@ def main() -> None:
         rows[f"prefill_batch_chunks={b}"] = row
     base = args.batch[0]
     same = all(firsts[b] == firsts[base] for b in args.batch)
-    ratios = {f"{b}_vs_{base}": {n: round(times[base][n][0][0] and
-                                          statistics.median(w for w, _ in times[base][n])
-                                          / statistics.median(w for w, _ in times[b][n]), 3) for n in work}
+    wall = lambda b, n: statistics.median(w for w, _ in times[b][n])  # noqa: E731
+    ratios = {f"{b}_vs_{base}": {n: round(wall(base, n) / wall(b, n), 3) for n in work}
               for b in args.batch if b != base}  # fmt: skip
     out = {"benchmark": "prefill_batch", "git": git_info(None), "hardware": hardware(device),
            "command": " ".join(["python", *sys.argv]), "weights": "fp8" if args.fp8 else "bf16",
