@@ -454,6 +454,11 @@ class EngineConfig:
         chunks = self.pipeline_prefill_chunks
         return self.pipeline_stages if chunks == "auto" else chunks
 
+    def prefill_forward_chunks(self) -> int:
+        """Prompt chunks one forward may run together (FlashNext.forward_chunks): a step's chunks in one
+        process; one with pipeline stages, whose stages run a step's chunks one after another."""
+        return self.prefill_chunks_per_step() if self.pipeline_stages == 1 else 1
+
     def stage_devices(self) -> list[torch.device]:
         """Each pipeline stage's device: pipeline_devices, else consecutive CUDA indices from --device's
         (cuda: 0, 1, ...; cuda:2: 2, 3, ...); every stage on the CPU backend is the CPU."""

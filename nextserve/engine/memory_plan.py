@@ -128,7 +128,7 @@ def headroom_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -
     """Device bytes kept free beside the weights, slots and KV pool: --memory-headroom-mib, plus, with
     --prefill-batch-chunks N > 1, what the other N - 1 chunks of a forward hold at once (each chunk's
     streams and block input, the routed experts' rows of all of them: an estimate per token)."""
-    extra_chunks = config.prefill_chunks_per_step() - 1 if config.pipeline_stages == 1 else 0
+    extra_chunks = config.prefill_forward_chunks() - 1
     H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     per_token = dtype.itemsize * (3 * cfg.hc_hidden + 4 * H + k * (H + I))
     return config.memory_headroom_mib * 2**20 + extra_chunks * config.prefill_chunk * per_token

@@ -69,12 +69,6 @@ def moe_block_m(model) -> Callable[[int], int] | None:
     return lambda n: default_block_m(n * moe.top_k, E, fp8)
 
 
-def together(config) -> bool:
-    """Whether the engine runs several prompt chunks in one forward (--prefill-batch-chunks in one
-    process, with room for two sequences)."""
-    return config.pipeline_stages == 1 and config.prefill_chunks_per_step() > 1 and config.max_concurrency > 1
-
-
 def warm_up(engine) -> float:
     """Run the warm-up requests on `engine` (an LLMEngine); returns the seconds it took."""
     t0 = time.perf_counter()
@@ -89,11 +83,12 @@ def warm_up(engine) -> float:
         engine.add_request(prompt, params, request_id=f"nextserve-warm-up-{i}")
         while engine.has_unfinished():
             engine.step()
-    if together(engine.config) and chunk + 4 <= engine.max_context:
-        # two one-chunk prompts at once: a forward of several chunks (their routed experts in one call)
-        for i in range(2):
-            prompt = [10 + (t * 7919 + 13 * (i + 1)) % max(1, vocab - 10) for t in range(chunk)]
-            engine.add_request(prompt, params, request_id=f"nextserve-warm-up-together-{i}")
+    config = engine.config
+    if config.prefill_forward_chunks() > 1 and config.max_concurrency > 1 and chunk + 4 <= engine.max_context:
+        # two one-chunk prompts at once (rotations of base: no image of base is their prefix), so a forward
+        # of several chunks runs (their routed experts in one call)
+        for i in (1, 2):
+            engine.add_request(base[i:] + base[:i], params, request_id=f"nextserve-warm-up-together-{i}")
         while engine.has_unfinished():
             engine.step()
     engine.clear_prefix_cache()
