@@ -111,7 +111,7 @@ def main() -> None:
             flops = 2 * T * K * 3 * I * H
             row = {"T": T, "k": K, "routing": "skewed" if skewed else "uniform",
                    "distinct_experts": distinct, "max_pairs_per_expert": int(counts.max()),
-                   "default_block_m": default_block_m(T * K, E, fp8),
+                   "default_block_m": default_block_m(T * K, E),
                    "bytes_distinct": distinct * expert_bytes,
                    "useful_GFLOP": round(flops / 1e9, 2)}  # fmt: skip
             call = lambda x=x, w=w, ids=ids, **cfg: grouped_experts(x, w, ids, gate_up, down, **cfg)  # noqa: E731

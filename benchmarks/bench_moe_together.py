@@ -2,7 +2,10 @@
 BLOCK_M one chunk alone takes) against one call a chunk, at the real Flash-Next widths (H=2560, E=512, k=10,
 I=640): graph replay µs of both, and whether every row's bits equal its chunk's own call (the condition for
 `--prefill-batch-chunks`: a chunk's result is what it is alone, C1). Prints JSON; run on a CUDA machine:
-python benchmarks/bench_moe_together.py [--fp8] [--chunk 4096] [--groups 1 2 4 8]"""
+python benchmarks/bench_moe_together.py [--fp8] [--chunk 4096] [--groups 1 2 4 8]
+    [--tiles 64,4 128,8,128]
+--tiles: BLOCK_M,warps[,gate/up BLOCK_N] to sweep; each row also says whether its bits equal the default
+BLOCK_M's (whether BLOCK_M enters the numerics on this GPU)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--tiles", nargs="*", default=[], help="BLOCK_M,warps[,BLOCK_N] beside the default")
     args = p.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -33,15 +37,17 @@ def main() -> None:
     down = (torch.randn(E, H, I, device=dev, generator=g) / I**0.5).to(torch.bfloat16)
     if args.fp8:
         gate_up, down = Fp8Weight(*quantize(gate_up)), Fp8Weight(*quantize(down))
-    bm = default_block_m(args.chunk * K, E, args.fp8)
-    rows = [_row(G, args.chunk, bm, gate_up, down, g) for G in args.groups]
+    bm = default_block_m(args.chunk * K, E)
+    tiles = [(bm, None, None)] + [(*(int(v) for v in t.split(",")), None)[:3] for t in args.tiles]
+    rows = [_row(G, args.chunk, m, w, n, bm, gate_up, down, g) for G in args.groups for m, w, n in tiles]
     out = {"benchmark": "moe_together", "git": git_info(None), "hardware": hardware(dev),
            "weights": "fp8" if args.fp8 else "bf16", "chunk": args.chunk, "rows": rows}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 
-def _row(G: int, T: int, bm: int, gate_up, down, g: torch.Generator) -> dict:
-    """G chunks of T tokens (uniform routing): one call for all against one call a chunk."""
+def _row(G: int, T: int, bm: int, warps: int | None, bn: int | None, default_bm: int, gate_up, down, g):
+    """G chunks of T tokens (uniform routing): one call for all against one call a chunk, at BLOCK_M bm,
+    `warps` and gate/up BLOCK_N bn (None: grouped_experts' rules)."""
     dev = g.device
     x = torch.randn(G * T, H, device=dev, generator=g).to(torch.bfloat16)
     _, ids = torch.rand(G * T, E, device=dev, generator=g).topk(K, dim=-1)
@@ -49,16 +55,21 @@ def _row(G: int, T: int, bm: int, gate_up, down, g: torch.Generator) -> dict:
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
     spans = [(c * T, (c + 1) * T) for c in range(G)]
 
+    tile = {"block_m": bm, "warps": warps, "warps_down": warps, "block_n": bn}
+
     def together():
-        return grouped_experts(x, w, ids, gate_up, down, block_m=bm)
+        return grouped_experts(x, w, ids, gate_up, down, **tile)
 
     def alone():
-        return [grouped_experts(x[s:e], w[s:e], ids[s:e], gate_up, down, block_m=bm) for s, e in spans]
+        return [grouped_experts(x[s:e], w[s:e], ids[s:e], gate_up, down, **tile) for s, e in spans]
 
     equal = bool(torch.equal(together(), torch.cat(alone())))
+    default = grouped_experts(x, w, ids, gate_up, down, block_m=default_bm)
+    same_as_default = bool(torch.equal(together(), default))
     t_us, a_us = graph_us(together), graph_us(alone)
     flops = 2 * G * T * K * 3 * I * H
-    row = {"chunks": G, "tokens": G * T, "block_m": bm, "bits_equal_alone": equal,
+    row = {"chunks": G, "tokens": G * T, **tile, "bits_equal_alone": equal,
+           "bits_equal_default_block_m": same_as_default,
            "together_us": round(t_us, 1), "one_call_a_chunk_us": round(a_us, 1),
            "speedup": round(a_us / t_us, 3), "together_TFLOPs": round(flops / t_us / 1e6, 1)}  # fmt: skip
     print(json.dumps(row), file=sys.stderr, flush=True)

@@ -137,3 +137,43 @@ def test_profile_prefill_times_every_family_of_a_cold_prefill(one_thread) -> Non
     )
     assert isinstance(res["top_ops"], list)  # device time per op: none on the CPU
     assert not engine.has_unfinished()
+
+
+def test_gap_table_sums_the_device_idle_between_kernels_by_neighbours() -> None:
+    """Idle stretches are measured from the latest end so far (overlapping kernels hide none), and gaps
+    shorter than min_us are left out."""
+    from types import SimpleNamespace
+
+    from nextserve.bench.profile import gap_table
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [ev("a", 0, 100), ev("b", 50, 300), ev("host", 300, 900, cpu), ev("c", 400, 450),
+              ev("d", 455, 500), ev("a", 600, 700), ev("b", 800, 810)]  # fmt: skip
+    res = gap_table(SimpleNamespace(events=lambda: events), top=5, min_us=20)
+    assert res["gaps"] == 3 and res["idle_ms_total"] == 0.3
+    pairs = {(r["after"], r["before"]): (r["ms"], r["count"]) for r in res["top"]}
+    assert pairs == {("b", "c"): (0.1, 1), ("d", "a"): (0.1, 1), ("a", "b"): (0.1, 1)}
+
+
+def test_ttft_by_mode_times_every_mode_and_length_after_a_warm_round(one_thread) -> None:
+    """Each mode's switch runs before each of its prompts; round 0 is not counted; one row per (mode,
+    length), sorted by length then mode."""
+    from nextserve.bench.timing import ttft_by_mode
+
+    cfg, _ = bench.bench_config("tiny")
+    model = bench.random_flash_next(cfg, "cpu", torch.float32, seed=1)
+    engine = bench.engine_for_model(
+        model, torch.device("cpu"), torch.float32, max_context=128, prefill_chunk=16, prefix_cache=False
+    )
+    switched: list[str] = []
+    modes = {"b": lambda: switched.append("b"), "a": lambda: switched.append("a")}
+    rows = ttft_by_mode(engine, modes, [20, 9], rounds=2, seed=3)
+    assert switched == ["b", "a"] * 6
+    assert [(r["mode"], r["prompt_tokens"]) for r in rows] == [("a", 9), ("b", 9), ("a", 20), ("b", 20)]
+    assert all(r["ttft_s"] > 0 and r["tok_s"] > 0 for r in rows) and not engine.has_unfinished()

@@ -185,6 +185,34 @@ def kernel_table(prof, top: int) -> dict[str, Any]:
     }
 
 
+def gap_table(prof, top: int, min_us: float = 20.0) -> dict[str, Any]:
+    """Where the device sat idle in a torch.profiler run: the gaps of at least `min_us` between one device
+    activity's end and the next one's start, summed by the pair of kernel names around them (a gap after a
+    kernel that the host had not yet followed up: host-bound stretches, syncs). The profiler's own host
+    overhead lengthens them; compare pairs, not totals, with an unprofiled TTFT."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    end, name = None, None
+    for s, e, n in spans:
+        if end is not None and s - end >= min_us:
+            by_pair.setdefault((name[:60], n[:60]), []).append(s - end)
+        if end is None or e > end:
+            end, name = e, n
+    rows = sorted(((sum(v), len(v), k) for k, v in by_pair.items()), reverse=True)
+    return {
+        "idle_ms_total": round(sum(r[0] for r in rows) / 1000, 3),
+        "gaps": sum(r[1] for r in rows),
+        "min_gap_us": min_us,
+        "top": [
+            {"ms": round(t / 1000, 3), "count": c, "after": a, "before": b} for t, c, (a, b) in rows[:top]
+        ],
+    }
+
+
 def op_table(prof, top: int) -> list[dict[str, Any]]:
     """A torch.profiler run's (record_shapes) operators by self device time, grouped by input shapes:
     which call a kernel of `kernel_table` came from (Triton launches show as their kernel's name)."""
@@ -235,4 +263,5 @@ def profile_prefill(engine, prompt: list[int], top: int = 30) -> dict[str, Any]:
         out["ttft_s_profiled"] = round(prefill(), 3)
     out |= kernel_table(prof, top)
     out["top_ops"] = op_table(prof, top)
+    out["device_gaps"] = gap_table(prof, top)
     return out

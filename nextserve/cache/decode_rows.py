@@ -10,6 +10,7 @@ import torch
 
 from ..model.batch import DecodeBatch, KVView, WindowBatch
 from ..ops.paged import write_paged_rows
+from ..ops.pinned import upload
 from ..ops.tokens import resolve_pending_ids
 from .kv_pool import KVPool
 from .states import StateSlots
@@ -151,5 +152,5 @@ def eager_window(
     meta = np.empty((WINDOW_FIELDS, W * B), dtype=np.int64)
     table = np.empty((B + 1, max(len(t) for t in tables)), dtype=np.int32)
     fill_window(meta, table, inputs, tables, B, states.scratch_slot, pool.scratch_page)
-    meta_t, table_t = torch.from_numpy(meta).to(device), torch.from_numpy(table).to(device)
+    meta_t, table_t = upload(meta, torch.int64, device), upload(table, torch.int32, device)
     return window_batch(pool, states, meta_t, table_t, W, B, keep, gather, pending)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.batch import KVView
+from ..ops.pinned import upload
 from .kv_pool import KVPool, PoolExhausted
 from .states import StateSlots
 
@@ -150,7 +151,7 @@ class SequenceCache:
         # step was a large part of a GPU decode step's launches."""
         if self._table_list != self.block_table:
             self._table_list = list(self.block_table)
-            self._table_dev = torch.tensor(self.block_table, dtype=torch.long, device=self.pool.k.device)
+            self._table_dev = upload(self.block_table, torch.long, self.pool.k.device)
             self._table32 = self._table_dev.to(torch.int32)[None]
         return self._table_dev
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..ops.pinned import upload
 
 
 def _span(kind_layers: tuple[int, ...], layers: range) -> range:
@@ -148,8 +149,8 @@ class StateSlots:
 
     def _copy_target(self, src_slots: list[int], dst_slots: list[int]) -> None:
         dev = self.gdn_rec.device
-        src = torch.tensor(src_slots, dtype=torch.long, device=dev)
-        dst = torch.tensor(dst_slots, dtype=torch.long, device=dev)
+        src = upload(src_slots, torch.long, dev)
+        dst = upload(dst_slots, torch.long, dev)
         n_target = self.index_tail.shape[0] - self.mtp_hidden.shape[0]  # the MTP's tail plane is last
         for field in (self.gdn_conv, self.gdn_rec, self.ple_ctx, self.ple_conv, self.index_tail[:n_target]):
             field.index_copy_(1, dst, field.index_select(1, src))

@@ -10,7 +10,7 @@ prefill chunk was the first whose length was not a multiple of 16).
 # ops/gdn.py, autotuned at their first call: here), where the chunk is longer, cold and,
 # with prefix reuse on, resumed from an image; each decodes two tokens. The routed experts' prefill
 # kernel also takes a BLOCK_M from the chunk's length (ops/moe.py default_block_m: at Flash-Next's
-# widths 16 up to 409 tokens, 32 up to 1,228, 64, and 128 for FP8 experts from 3,277), so each class of
+# widths 16 up to 409 tokens, 32 up to 1,228, 64, and 128 from 3,277), so each class of
 # lengths it meets below the chunk gets its two kinds too (`tail_lengths`). With --prefill-batch-chunks,
 # two one-chunk prompts run together once (a forward of several chunks: the grouped experts over more rows;
 # no kernel takes their row count as a specialised argument, but the path runs before serving all the same).
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..model.moe import SparseMoe
-from ..ops.fp8 import Fp8Weight
 from ..ops.gdn import FLA_MIN_TOKENS
 from ..ops.moe import default_block_m
 from .sampling import SamplingParams
@@ -65,8 +64,8 @@ def moe_block_m(model) -> Callable[[int], int] | None:
     moe = next((m for m in model.modules() if isinstance(m, SparseMoe)), None)
     if moe is None:
         return None
-    E, fp8 = moe.experts.gate_up.shape[0], isinstance(moe.experts.gate_up, Fp8Weight)
-    return lambda n: default_block_m(n * moe.top_k, E, fp8)
+    E = moe.experts.gate_up.shape[0]
+    return lambda n: default_block_m(n * moe.top_k, E)
 
 
 def warm_up(engine) -> float:

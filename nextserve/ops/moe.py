@@ -3,21 +3,21 @@
 import torch
 import torch.nn.functional as F
 
-from .fp8 import Fp8Weight
 from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
 
 
-def default_block_m(pairs: int, num_experts: int, fp8: bool = False) -> int:
+def default_block_m(pairs: int, num_experts: int) -> int:
     """The grouped prefill kernel's BLOCK_M (ops/triton/moe_grouped.py) for n (token, expert) pairs over E
     experts: about the mean pairs per expert, 16 to 64 (the MMA rows of a mostly empty block are wasted;
-    an expert with more pairs than BLOCK_M is cut into more blocks). FP8 experts take 128 (with 8 warps)
-    from 64 pairs an expert on (a 4096-token chunk of Flash-Next: 80): BENCHMARKS.md
-    session 16 measured 1.23x there, where bf16 gained 1.03x alone and nothing in a whole prefill, and
-    neither gained at 8192 tokens. Each value is a kernel specialisation (engine/warmup.py compiles all)."""
+    an expert with more pairs than BLOCK_M is cut into more blocks), and 128 (with 8 warps and gate/up tiles
+    128 wide) from 64 pairs an expert on (a 4,096-token chunk of Flash-Next: 80). On the H200 that tile took
+    a 4,096-token chunk's bf16 experts from 2,335 to 2,115 us and four chunks' together from 5,974 to 5,226
+    (BENCHMARKS.md session 19); FP8 gained 1.23x at 128 in session 16. Each value is a kernel
+    specialisation (engine/warmup.py compiles all); bf16 and FP8 experts take the same."""
     mean = pairs / max(num_experts, 1)
-    if fp8 and mean >= 64:
+    if mean >= 64:
         return 128
     return 16 if mean <= 8 else 32 if mean <= 24 else 64
 
@@ -112,7 +112,7 @@ def experts_of_chunks(
         return [experts(x, w, i, gate_up, down, False) for x, w, i in zip(xs, weights, ids, strict=True)]
     from .triton.moe_grouped import grouped_experts
 
-    block_m = default_block_m(ids[0].numel(), gate_up.shape[0], isinstance(gate_up, Fp8Weight))
+    block_m = default_block_m(ids[0].numel(), gate_up.shape[0])
     out = grouped_experts(torch.cat(xs), torch.cat(weights), torch.cat(ids), gate_up, down, block_m=block_m)
     return list(out.split(n))
 

@@ -45,3 +45,20 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
         )
     pages.addr = raw.data_ptr()
     return raw.view(dtype).view(shape)
+
+
+def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` (values: a list or a numpy array) without making
+    the host wait for the device.
+
+    # NOTE: torch copies pageable host memory to a GPU synchronously: the host waits until every kernel
+    # queued before the copy has run. A prefill step's inputs (token ids, positions, a grown block table)
+    # made the host wait for all the work queued so far at each step's start and at each chunk's first
+    # attention layer. Through page-locked memory the copy is queued on the current stream like a kernel;
+    # torch's pinned allocator keeps the staging block until the copy has run (it records the copy on the
+    # stream), so the host may drop it at once. Measured on an H200 (benchmarks/bench_upload_ab.py,
+    # BENCHMARKS.md session 19): the same TTFT as the blocking copy for 1K and 16K prompts."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -49,6 +49,7 @@ from ..model.loader import load_module, meta_device
 from ..model.mtp import MTP
 from ..model.params import Weight
 from ..ops.linear import linear
+from ..ops.pinned import upload
 from ..ops.ple import lookup_rows
 
 
@@ -185,7 +186,7 @@ class MtpDrafter:
         """Verify windows' committed MTP rows and chains in one window of steps (see window_drafts)."""
         hidden = self.states.mtp_hidden_plane()  # [S, nH]
         rows, chain, tables = self.window_inputs(items)
-        slots = torch.tensor([it.cache.slot for it in items], dtype=torch.long, device=hidden.device)
+        slots = upload([it.cache.slot for it in items], torch.long, hidden.device)
         # the rows' input streams [Wm, B, nH]: row i's target streams at start - 1 + i (the slot's, then
         # the window's committed rows but the last); the chains start from the last row's streams
         x = [hidden.index_select(0, slots)[None]]
@@ -257,8 +258,8 @@ class MtpDrafter:
             positions += range(start, start + len(nxt))
             spans.append(SeqChunk(cache, start, len(nxt)))
         dev = rows[0][2].device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        ids_t = upload(ids, torch.long, dev)
+        pos_t = upload(positions, torch.long, dev)
         streams = rows[0][2] if len(rows) == 1 else torch.cat([r[2] for r in rows])
         embed = lookup_rows(self.embed, ids_t)  # [T, H]
         batch = ForwardBatch(ids_t, pos_t, spans, ri)

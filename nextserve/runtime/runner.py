@@ -18,6 +18,7 @@ from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
+from ..ops.pinned import upload
 from ..ops.tokens import greedy_ids
 from ..step_plan import Chunk, StepPlan, TokenLogprob
 from .graph_runner import GraphRunner
@@ -173,8 +174,8 @@ class ModelRunner:
             pos += range(ch.start, ch.end)
             spans.append(SeqChunk(ch.seq.cache, ch.start, ch.end - ch.start))
         return ForwardBatch(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(pos, dtype=torch.long, device=self.device),
+            upload(ids, torch.long, self.device),
+            upload(pos, torch.long, self.device),
             spans,
             row_invariant,
         )

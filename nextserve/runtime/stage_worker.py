@@ -22,6 +22,7 @@ from ..model.batch import ForwardBatch, SeqChunk
 from ..model.flash_next import FlashNext
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
+from ..ops.pinned import upload
 from .graph_runner import GraphRunner
 from .pipeline_windows import GuessWork
 from .runner import ModelRunner
@@ -191,7 +192,7 @@ class StageWorker(ModelRunner):
 
     def _chunk(self, slot: int, table: list[int], start: int, ids: list[int]) -> ForwardBatch:
         cache = SequenceCache(self.pool, self.states, slot=slot, block_table=table)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        ids_t = upload(ids, torch.long, self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)
         return ForwardBatch(ids_t, pos, [SeqChunk(cache, start, len(ids))], row_invariant=False)
 

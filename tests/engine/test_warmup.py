@@ -45,16 +45,15 @@ def test_tails_reach_past_the_fla_threshold() -> None:
     assert {n % 16 == 0 for n in long} == {True, False}
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_every_block_m_class_below_the_chunk_is_warmed(fp8: bool) -> None:
+def test_every_block_m_class_below_the_chunk_is_warmed() -> None:
     """At Flash-Next's widths (E=512, k=10, 4,096-token chunks) a chunk of any length compiles nothing the
     warm-up's lengths did not: its BLOCK_M, side of FLA_MIN_TOKENS and multiple-of-16-ness are a tail's."""
-    block_m = lambda n: default_block_m(n * 10, 512, fp8)  # noqa: E731
+    block_m = lambda n: default_block_m(n * 10, 512)  # noqa: E731
     tails = tail_lengths(4096, block_m)
     kind = lambda n: (block_m(n), n >= FLA_MIN_TOKENS, n % 16 == 0)  # noqa: E731
     assert {kind(n) for n in range(2, 4096)} == {kind(n) for n in tails if n > 1}
     assert set(TAILS) <= set(tails) and 1 in tails and max(tails) < 4096
-    assert {block_m(n) for n in tails} == ({16, 32, 64, 128} if fp8 else {16, 32, 64})
+    assert {block_m(n) for n in tails} == {16, 32, 64, 128}
     assert tail_lengths(4096) == list(TAILS)  # no MoE layers: the fixed lengths
 
 

@@ -63,7 +63,7 @@ def test_no_compile_after_the_warm_up(tiny_model_dir, batch_chunks: int) -> None
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 def test_no_compile_after_the_warm_up_at_any_experts_block(tmp_path, quantization: str) -> None:
     """Chunks whose lengths give the routed experts' prefill kernel each of its BLOCK_M values (the small
-    preset, 16 experts, 4 a token: 16 up to 32 tokens, 32 up to 96, 64, and FP8 128 from 256) compile
+    preset, 16 experts, 4 a token: 16 up to 32 tokens, 32 up to 96, 64, and 128 from 256) compile
     nothing after the warm-up: cold prompts, and prompts resumed from an image at the chunk."""
     from nextserve.model.make_model import make_model
 

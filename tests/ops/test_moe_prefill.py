@@ -120,11 +120,11 @@ def test_default_block_m() -> None:
     assert default_block_m(256 * 10, 512) == 16
     assert default_block_m(1024 * 10, 512) == 32
     assert default_block_m(40 * 2, 8) == 32
-    assert default_block_m(4096 * 10, 512) == 64
-    assert default_block_m(2048 * 10, 512, fp8=True) == 64
-    assert default_block_m(3276 * 10, 512, fp8=True) == 64  # 63.98 pairs an expert
-    assert default_block_m(3277 * 10, 512, fp8=True) == 128
-    assert default_block_m(8192 * 10, 512, fp8=True) == 128
+    assert default_block_m(4096 * 10, 512) == 128
+    assert default_block_m(2048 * 10, 512) == 64
+    assert default_block_m(3276 * 10, 512) == 64  # 63.98 pairs an expert
+    assert default_block_m(3277 * 10, 512) == 128
+    assert default_block_m(8192 * 10, 512) == 128
 
 
 @small
