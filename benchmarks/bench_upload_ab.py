@@ -10,7 +10,6 @@ a CUDA machine:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -24,9 +23,6 @@ from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.bench.timing import ttft_by_mode  # noqa: E402
 from nextserve.ops.pinned import upload  # noqa: E402
 
-USERS = ("nextserve.runtime.runner", "nextserve.cache.sequence", "nextserve.cache.states",
-         "nextserve.cache.decode_rows", "nextserve.runtime.mtp_runner")  # fmt: skip
-
 
 def blocking_upload(values, dtype: torch.dtype, device) -> torch.Tensor:
     """The copy before `upload`: torch.tensor onto the device (blocking from pageable memory)."""
@@ -34,8 +30,10 @@ def blocking_upload(values, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def use(fn) -> None:
-    for name in USERS:
-        importlib.import_module(name).upload = fn
+    """Every loaded nextserve module that copies a step's inputs through `upload` copies them with fn."""
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("nextserve.") and getattr(mod, "upload", None) in (upload, blocking_upload):
+            mod.upload = fn
 
 
 def main() -> None:

@@ -3,6 +3,11 @@ TTFT under modes that take turns."""
 
 from __future__ import annotations
 
+import random
+import statistics
+import sys
+import time
+
 import torch
 
 
@@ -32,11 +37,6 @@ def ttft_by_mode(engine, modes: dict, lengths: list[int], rounds: int, seed: int
     process to it), the modes taking turns on the same prompt in every round; round 0 warms every (mode,
     length) path and is not counted. Returns per (mode, length) the median TTFT (s) and its tok/s; the
     engine must not resume a prompt from a prefix image (prefix_cache=False)."""
-    import random
-    import statistics
-    import sys
-    import time
-
     from ..engine.sampling import SamplingParams
     from .meters import sync
 

@@ -481,7 +481,8 @@ def grouped_experts(
     the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
     wide = bm >= 128
-    warps, warps_down = warps or (8 if wide else 4), warps_down or (8 if wide else 4)
+    wide_warps = 8 if wide else 4
+    warps, warps_down = warps or wide_warps, warps_down or wide_warps
     block_n = block_n or (128 if wide else 64)
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
