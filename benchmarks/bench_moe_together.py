@@ -3,9 +3,10 @@ BLOCK_M one chunk alone takes) against one call a chunk, at the real Flash-Next 
 I=640): graph replay µs of both, and whether every row's bits equal its chunk's own call (the condition for
 `--prefill-batch-chunks`: a chunk's result is what it is alone, C1). Prints JSON; run on a CUDA machine:
 python benchmarks/bench_moe_together.py [--fp8] [--chunk 4096] [--groups 1 2 4 8]
-    [--tiles 64,4 128,8,128]
---tiles: BLOCK_M,warps[,gate/up BLOCK_N] to sweep; each row also says whether its bits equal the default
-BLOCK_M's (whether BLOCK_M enters the numerics on this GPU)."""
+    [--tiles 64,4 128,8,128 128,8,128,128,3]
+--tiles: BLOCK_M,warps[,gate/up BLOCK_N[,BLOCK_K[,stages[,down BLOCK_N[,down BLOCK_K]]]]] to sweep (warps
+and stages for both kernels); each row also says whether its bits equal the default tile's (whether the
+tile enters the numerics on this GPU)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from nextserve.ops.moe import default_block_m
 from nextserve.ops.triton.moe_grouped import grouped_experts
 
 H, E, K, I = 2560, 512, 10, 640
+TILE_KEYS = ("block_m", "warps", "block_n", "block_k", "stages", "block_n_down", "block_k_down")
 
 
 def main() -> None:
@@ -29,7 +31,7 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--tiles", nargs="*", default=[], help="BLOCK_M,warps[,BLOCK_N] beside the default")
+    p.add_argument("--tiles", nargs="*", default=[], help="BLOCK_M,warps[,BLOCK_N,...] beside the default")
     args = p.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -38,16 +40,17 @@ def main() -> None:
     if args.fp8:
         gate_up, down = Fp8Weight(*quantize(gate_up)), Fp8Weight(*quantize(down))
     bm = default_block_m(args.chunk * K, E)
-    tiles = [(bm, None, None)] + [(*(int(v) for v in t.split(",")), None)[:3] for t in args.tiles]
-    rows = [_row(G, args.chunk, m, w, n, bm, gate_up, down, g) for G in args.groups for m, w, n in tiles]
+    tiles = [{"block_m": bm}]
+    tiles += [dict(zip(TILE_KEYS, map(int, t.split(",")), strict=False)) for t in args.tiles]
+    rows = [_row(G, args.chunk, tile, bm, gate_up, down, g) for G in args.groups for tile in tiles]
     out = {"benchmark": "moe_together", "git": git_info(None), "hardware": hardware(dev),
            "weights": "fp8" if args.fp8 else "bf16", "chunk": args.chunk, "rows": rows}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 
-def _row(G: int, T: int, bm: int, warps: int | None, bn: int | None, default_bm: int, gate_up, down, g):
-    """G chunks of T tokens (uniform routing): one call for all against one call a chunk, at BLOCK_M bm,
-    `warps` and gate/up BLOCK_N bn (None: grouped_experts' rules)."""
+def _row(G: int, T: int, tile: dict, default_bm: int, gate_up, down, g):
+    """G chunks of T tokens (uniform routing): one call for all against one call a chunk, at `tile`
+    (grouped_experts' keywords; the others by its rules)."""
     dev = g.device
     x = torch.randn(G * T, H, device=dev, generator=g).to(torch.bfloat16)
     _, ids = torch.rand(G * T, E, device=dev, generator=g).topk(K, dim=-1)
@@ -55,7 +58,11 @@ def _row(G: int, T: int, bm: int, warps: int | None, bn: int | None, default_bm:
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
     spans = [(c * T, (c + 1) * T) for c in range(G)]
 
-    tile = {"block_m": bm, "warps": warps, "warps_down": warps, "block_n": bn}
+    tile = dict(tile)
+    if "warps" in tile:
+        tile["warps_down"] = tile["warps"]
+    if "stages" in tile:
+        tile["stages_down"] = tile["stages"]
 
     def together():
         return grouped_experts(x, w, ids, gate_up, down, **tile)

@@ -47,6 +47,7 @@ class FlashNext(nn.Module):
             self.lm_head = Projection(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("inv_freq", inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
         self.rotary_table: torch.Tensor | None = None  # [P, 2 * rot] cos | sin of every position (prepare)
+        self._superseded_tables: list[torch.Tensor] = []  # kept alive for CUDA graphs (prepare)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """The rotary frequencies on device (after a meta-device build: model/loader.materialize)."""
@@ -58,13 +59,19 @@ class FlashNext(nn.Module):
         model's max_position_embeddings)."""
         self.fuse_projections()
         dev, dtype = self.inv_freq.device, next(self.parameters()).dtype
-        if dev.type == "cuda" and self.rotary_table is None:
+        rows = self.rotary_rows(max_positions)
+        # NOTE: rebuilt when an engine needs more rows than an earlier engine over the same model had
+        # (benchmarks reuse one model): a position past the table would be an out-of-bounds gather. The
+        # old table stays allocated: the earlier engine's CUDA graphs read it by address.
+        if dev.type == "cuda" and (self.rotary_table is None or self.rotary_table.shape[0] < rows):
             # NOTE: a row is cos_sin's result at that position bit for bit: on CUDA cos_sin is elementwise
             # per element (a product, cos, sin, a rounding), whatever the tensor around it. The table only
             # saves launches: a decode step took cos and sin three times (the rope, each QSA block key),
             # about six launches each, where a gather is one. (On the CPU, vectorised cos/sin may round a
             # row by its place in the tensor, so the CPU keeps computing them row by row.)
-            positions = torch.arange(self.rotary_rows(max_positions), device=dev)
+            positions = torch.arange(rows, device=dev)
+            if self.rotary_table is not None:
+                self._superseded_tables.append(self.rotary_table)
             self.rotary_table = torch.cat(cos_sin(positions, self.inv_freq, dtype), dim=-1)
 
     def rotary_rows(self, max_positions: int | None = None) -> int:

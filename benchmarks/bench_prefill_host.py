@@ -1,0 +1,157 @@
+"""Whether a prefill chunk is bound by the host or by the GPU: one engine over random 8-layer flash-next
+weights (bf16, prefix reuse off), prompts of CHUNK + 1 tokens at --prefill-chunk CHUNK, so the first
+step runs one whole chunk and samples nothing. That step is queued while a sleep kernel holds the GPU:
+`host_ms` is how long engine.step() took to return (the host's cost of the chunk: scheduling, Python,
+launches), `device_ms` the GPU time from the sleep's end to the chunk's end (its kernels back to back).
+A chunk whose host_ms exceeds its device_ms leaves the GPU idle. Each GDN path takes turns (ops/gdn.py
+FLA_MIN_TOKENS: below the chunk = fla's chunked kernels, above = the token-by-token kernel); --cprofile
+adds the host's top functions for one chunk of each. Also the GDN call alone (one layer's shapes):
+host and device time of fla's entry and of the token-by-token kernel; and the host us a call of a cuBLAS
+GEMM, a Triton launch and an allocation. Prints JSON; on a CUDA machine:
+
+    python benchmarks/bench_prefill_host.py [--chunks 1024 2048] [--rounds 5] [--cprofile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve.bench.model import bench_config, engine_for_model, random_flash_next  # noqa: E402
+from nextserve.bench.provenance import git_info, hardware  # noqa: E402
+from nextserve.engine.sampling import SamplingParams  # noqa: E402
+from nextserve.ops import gdn  # noqa: E402
+
+SLEEP_CYCLES = 400_000_000  # ~0.2 s at 1.98 GHz: longer than any chunk's host time measured here
+MODES = {"token_by_token": 1 << 30, "fla": 64}  # FLA_MIN_TOKENS of each GDN path
+
+
+def _held(fn) -> tuple[float, float]:
+    """(host ms of fn, device ms of what it queued) with the GPU held by a sleep kernel while fn runs."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    t = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t) * 1e3
+    end.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end)
+
+
+def chunk_times(engine, chunk: int, rounds: int, profile: bool, seed: int) -> dict:
+    """Per GDN path: median host_ms and device_ms of a prompt's first whole chunk; with `profile` the
+    top host functions of one more chunk."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(9000, engine.model_config.vocab_size)
+    res: dict = {}
+    for r in range(rounds + 1 + profile):  # round 0 warms both paths
+        prompt = torch.randint(10, vocab, (chunk + 1,), generator=gen).tolist()
+        for mode, threshold in MODES.items():
+            gdn.FLA_MIN_TOKENS = threshold
+            engine.add_request(prompt, params)
+            prof = cProfile.Profile() if profile and r == rounds + 1 else None
+            step = prof.runcall if prof else (lambda f: f())
+            host, device = _held(lambda step=step: step(engine.step))
+            while engine.has_unfinished():
+                engine.step()
+            if prof:
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+                res[mode]["cprofile_top_tottime"] = out.getvalue().splitlines()[-32:]
+            elif r:
+                res.setdefault(mode, {"host_ms": [], "device_ms": []})
+                res[mode]["host_ms"].append(round(host, 3))
+                res[mode]["device_ms"].append(round(device, 3))
+    for row in res.values():
+        row["host_ms_median"] = statistics.median(row["host_ms"])
+        row["device_ms_median"] = statistics.median(row["device_ms"])
+    gdn.FLA_MIN_TOKENS = MODES["token_by_token"] if chunk < 2048 else MODES["fla"]
+    return res
+
+
+def gdn_call_times(T: int, rounds: int) -> dict:
+    """One GDN layer's call at T tokens (Flash-Next: 16 key heads, 48 value heads, 128 wide): host and
+    device ms of fla's entry (as ops/gdn.py calls it) and of the token-by-token kernel."""
+    from nextserve.ops.triton.gdn_chunk import triton_gated_delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q, k = (torch.randn(T, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, 48, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    decay = -torch.rand(T, 48, device="cuda", generator=g).to(torch.bfloat16)
+    beta = torch.rand(T, 48, device="cuda", generator=g).to(torch.bfloat16)
+    state = torch.zeros(48, 128, 128, device="cuda")
+    out = {}
+    paths = (
+        ("fla", gdn.fla_gated_delta_rule),
+        ("token_by_token", triton_gated_delta_rule),
+    )
+    for name, fn in paths:
+        fn(q, k, v, decay, beta, state)  # compile
+        times = [_held(lambda fn=fn: fn(q, k, v, decay, beta, state)) for _ in range(rounds)]
+        out[name] = {"host_ms": statistics.median(h for h, _ in times),
+                     "device_ms": statistics.median(d for _, d in times)}  # fmt: skip
+    return out
+
+
+def call_costs(T: int, rounds: int, calls: int = 200) -> dict:
+    """Host us a call (GPU held) of the three things a prefill forward does most: a cuBLAS GEMM at the
+    GDN in-projection's shape, a Triton launch (ops/norms.py rms_norm), a torch allocation."""
+    from nextserve.ops.norms import rms_norm
+
+    x = torch.randn(T, 2560, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(16480, 2560, device="cuda", dtype=torch.bfloat16)
+    nw = torch.ones(2560, device="cuda", dtype=torch.bfloat16)
+    ops = {
+        "cublas_linear": lambda: torch.nn.functional.linear(x, w),
+        "triton_rms_norm": lambda: rms_norm(x, nw, 1e-6),
+        "torch_empty": lambda: torch.empty((T, 2560), device="cuda", dtype=torch.bfloat16),
+    }
+    out = {}
+    for name, op in ops.items():
+        op()  # compile, plan
+        per_call = [_held(lambda op=op: [op() for _ in range(calls)])[0] * 1e3 / calls for _ in range(rounds)]
+        out[name] = round(statistics.median(per_call), 1)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cprofile", action="store_true")
+    args = p.parse_args()
+    assert gdn._fla_chunk() is not None, "flash-linear-attention is not installed"
+    cfg, _ = bench_config("flash-next", 8, None)
+    model = random_flash_next(cfg, "cuda", torch.bfloat16, seed=0)
+    out = {"benchmark": "prefill_host", "git": git_info(None), "hardware": hardware("cuda"),
+           "command": " ".join(["python", *sys.argv]), "chunks": {}, "gdn_call": {},
+           "host_us_a_call": {}}  # fmt: skip
+    for chunk in args.chunks:
+        engine = engine_for_model(
+            model, torch.device("cuda"), torch.bfloat16, max_context=chunk + 64, prefix_cache=False,
+            prefill_chunk=chunk, max_concurrency=1, prefill_batch_chunks=1,
+        )  # fmt: skip
+        out["chunks"][chunk] = chunk_times(engine, chunk, args.rounds, args.cprofile, seed=chunk)
+        out["gdn_call"][chunk] = gdn_call_times(chunk, args.rounds)
+        out["host_us_a_call"][chunk] = call_costs(chunk, args.rounds)
+        del engine
+        torch.cuda.empty_cache()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
