@@ -48,8 +48,9 @@ run the same kernels:
 # included) are part of the numerics, so its bits are fixed for a given T, not row by row. At 64
 # tokens or more a chunk touches most of the 512 experts (5 GB of bf16 a layer): the call is bound by
 # reading each active expert's weights once (about 1 ms on an H200), so its tiles are wider (gate/up
-# 64 x 64, down 128 x 64) and BLOCK_M follows the mean pairs per expert (16 to 128; at 128, 8 warps and
-# gate/up tiles 128 wide): a smaller BLOCK_M only saves MMA work on the mostly empty blocks.
+# 64 x 64, down 128 x 64) and BLOCK_M follows the mean pairs per expert (16 to 128; at 128, 8 warps,
+# gate/up tiles 128 wide and down tiles 256 wide): a smaller BLOCK_M only saves MMA work on the mostly
+# empty blocks.
 # benchmarks/bench_moe_prefill.py and bench_moe_together.py sweep them.
 # NOTE: speed at the real sizes (H=2560, I=640, E=512, k=10, bf16: 9.8 MB of weights an expert) on an
 # H200. Decode is bound by streaming the distinct experts' weights (M=1: 10 experts, 98 MB; M=32: ~240
@@ -461,7 +462,7 @@ def grouped_experts(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int = 64,
-    block_n_down: int = 128,
+    block_n_down: int | None = None,
     block_k_down: int = 64,
     warps: int | None = None,
     warps_down: int | None = None,
@@ -476,7 +477,8 @@ def grouped_experts(
 
     Deterministic (no atomics) and free of host reads, the kernels of `grouped_decode_experts` with
     prefill's blocks and the pairs sorted by torch.sort. block_m None picks it from T*k/E
-    (`default_block_m`); block_n None and warps None are 128 and 8 with a BLOCK_M of 128, else 64 and 4.
+    (`default_block_m`); block_n, block_n_down and warps None are 128, 256 and 8 with a BLOCK_M of 128,
+    else 64, 128 and 4.
     The block sizes are part of the numerics. A repeated id in a row is still summed, in slot order, as
     the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
@@ -484,6 +486,7 @@ def grouped_experts(
     wide_warps = 8 if wide else 4
     warps, warps_down = warps or wide_warps, warps_down or wide_warps
     block_n = block_n or (128 if wide else 64)
+    block_n_down = block_n_down or (256 if wide else 128)
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared,
