@@ -33,7 +33,7 @@ from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
 from nextserve.ops import gdn  # noqa: E402
 
-SLEEP_CYCLES = 400_000_000  # ~0.2 s at 1.98 GHz: longer than any chunk's host time measured here
+SLEEP_CYCLES = 400_000_000  # ~0.2 s at 1.98 GHz: longer than any 8-layer chunk's host time measured here
 MODES = {"token_by_token": 1 << 30, "fla": 64}  # FLA_MIN_TOKENS of each GDN path
 
 
@@ -55,6 +55,7 @@ def chunk_times(engine, chunk: int, rounds: int, profile: bool, seed: int) -> di
     """Per GDN path: median host_ms and device_ms of a prompt's first whole chunk; with `profile` the
     top host functions of one more chunk."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    default_threshold = gdn.FLA_MIN_TOKENS  # restored at the end
     gen = torch.Generator().manual_seed(seed)
     vocab = min(9000, engine.model_config.vocab_size)
     res: dict = {}
@@ -79,7 +80,7 @@ def chunk_times(engine, chunk: int, rounds: int, profile: bool, seed: int) -> di
     for row in res.values():
         row["host_ms_median"] = statistics.median(row["host_ms"])
         row["device_ms_median"] = statistics.median(row["device_ms"])
-    gdn.FLA_MIN_TOKENS = MODES["token_by_token"] if chunk < 2048 else MODES["fla"]
+    gdn.FLA_MIN_TOKENS = default_threshold
     return res
 
 
