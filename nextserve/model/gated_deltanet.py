@@ -20,6 +20,7 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.eps, self.gate_act = cfg.rms_norm_eps, cfg.output_gate
+        self.conv_parts = (self.hk * self.dk, self.hk * self.dk, self.hv * self.dv)  # q | k | v
         H, conv_dim, vdim = cfg.hidden_size, cfg.gdn_conv_dim, self.hv * self.dv
         self.in_proj_qkv = Projection(conv_dim, H)
         self.in_proj_z = Projection(vdim, H)
@@ -45,12 +46,12 @@ class GatedDeltaNet(nn.Module):
         g, beta = gdn_gates(b, a, self.A_log, self.dt_bias, ri)
         return qkv, z.reshape(T, self.hv, self.dv), g, beta
 
-    def _split(self, x: torch.Tensor):
-        """Conv output [T, conv_dim] -> q, k [T, Hk, dk], v [T, Hv, dv]."""
-        T, kd = x.shape[0], self.hk * self.dk
-        q = x[:, :kd].reshape(T, self.hk, self.dk)
-        k = x[:, kd : 2 * kd].reshape(T, self.hk, self.dk)
-        return q, k, x[:, 2 * kd :].reshape(T, self.hv, self.dv)
+    def _split(self, x: torch.Tensor | list[torch.Tensor]):
+        """Conv output [T, conv_dim] (or its q, k, v column parts) -> q, k [T, Hk, dk], v [T, Hv, dv]."""
+        kd = self.hk * self.dk
+        q, k, v = x if isinstance(x, list) else (x[:, :kd], x[:, kd : 2 * kd], x[:, 2 * kd :])
+        T = q.shape[0]
+        return q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk), v.reshape(T, self.hv, self.dv)
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, ri: bool) -> torch.Tensor:
         """o [T, Hv, dv] -> [T, H]."""
@@ -66,8 +67,8 @@ class GatedDeltaNet(nn.Module):
             conv_hist, rec = chunk.cache.gdn_state(self.gdn_index)
             if ri:  # a verify window: decode's conv, token by token (C1)
                 x = conv_window(qkv[s:e], conv_hist, conv_w, silu=True)
-            else:
-                x, new_hist = conv_chunk(qkv[s:e], conv_hist, conv_w, silu=True)
+            else:  # q, k, v each contiguous, as fla's kernels read them
+                x, new_hist = conv_chunk(qkv[s:e], conv_hist, conv_w, silu=True, parts=self.conv_parts)
                 conv_hist.copy_(new_hist)
             q, k, v = self._split(x)
             if ri:  # a verify window: decode's recurrence kernel, token by token (C1)

@@ -141,11 +141,12 @@ class QSAttention(nn.Module):
         return project(u, parts, self.in_proj, ri)
 
     def _qkv(self, u: torch.Tensor, cos, sin, ri: bool, proj=None):
-        """u [T, H] -> (q [T, Nq, D], gate [T, Nq*D], k, v [T, Nkv, D]); q and k normed and roped."""
+        """u [T, H] -> (q [T, Nq, D], gate [T, Nq, D] (a view), k, v [T, Nkv, D]); q and k normed and
+        roped."""
         T = u.shape[0]
         qg, k, v, _ = proj if proj is not None else self._project(u, ri)
         qg = qg.reshape(T, self.nq, 2 * self.d)
-        q, gate = qg[..., : self.d], qg[..., self.d :].reshape(T, self.nq * self.d)
+        q, gate = qg[..., : self.d], qg[..., self.d :]
         q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
         k = apply_rope(rms_norm(k.reshape(T, self.nkv, self.d), self.k_norm.weight, self.eps), cos, sin)
         return q, gate, k, v.reshape(T, self.nkv, self.d)

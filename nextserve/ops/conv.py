@@ -31,19 +31,26 @@ def causal_conv(
 
 
 def conv_chunk(
-    x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1, silu: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    history: torch.Tensor,
+    weight: torch.Tensor,
+    dilation: int = 1,
+    silu: bool = False,
+    parts: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
     """A prefill chunk's conv: `causal_conv`, optionally followed by SiLU. Returns (out [T, C], the new
-    history [C, L]); the history passed in is not changed.
+    history [C, L]); the history passed in is not changed. With `parts` (three widths summing to C) out
+    is the list of its three column ranges, each a contiguous [T, width] tensor.
 
     # On CUDA (not float64) one Triton launch over the chunk (ops/triton/conv_chunk.py: the taps in
-    # float32, rounded once, as the decode step computes them), equal to this reference to rounding.
+    # float32, rounded once, as the decode step computes them), equal to this reference to rounding; it
+    # stores the parts contiguous itself.
     """
     if use_kernel(x, weight):
         from .triton.conv_chunk import triton_conv_chunk
 
         L = history.shape[-1]
-        out = triton_conv_chunk(x, history, weight, dilation, silu)
+        out = triton_conv_chunk(x, history, weight, dilation, silu, parts)
         if L == 0:
             return out, history
         seq = (
@@ -53,7 +60,10 @@ def conv_chunk(
         )
         return out, seq.to(history.dtype).contiguous()
     out, new_history = causal_conv(x, history, weight, dilation)
-    return (F.silu(out) if silu else out), new_history
+    out = F.silu(out) if silu else out
+    if parts is not None:
+        out = [p.contiguous() for p in out.split(list(parts), dim=-1)]
+    return out, new_history
 
 
 def conv_step(

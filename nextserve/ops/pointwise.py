@@ -38,12 +38,14 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, row_invariant: bool = False) -> t
 def sigmoid_gate(
     x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None, row_invariant: bool = False
 ) -> torch.Tensor:
-    """[add +] x * sigmoid(gate): x [T, N]; gate [T, N] or [T, 1]; add [T, N] (one Triton launch on
-    CUDA)."""
+    """[add +] x * sigmoid(gate): x [T, N]; gate [T, N], [T, heads, N / heads] or [T, 1]; add [T, N]
+    (one Triton launch on CUDA, a head-split gate read in place)."""
     ts = (x, gate) if add is None else (x, gate, add)
-    if use_kernel(*ts) and all(t.dtype == x.dtype and t.dim() == 2 for t in ts):
+    dims_ok = x.dim() == 2 and gate.dim() in (2, 3) and (add is None or add.dim() == 2)
+    if use_kernel(*ts) and dims_ok and all(t.dtype == x.dtype for t in ts):
         from .triton.gates import triton_sigmoid_gate
 
         return triton_sigmoid_gate(x, gate, add)
+    gate = gate.reshape(x.shape[0], -1)
     y = x * rowwise(torch.sigmoid, gate, row_invariant)
     return y if add is None else add + y

@@ -68,3 +68,32 @@ def test_cuda_conv_chunk_gdn_size(T: int) -> None:
     if T > 1:  # a row's bits do not depend on the chunk's other rows
         tail, _ = conv_chunk(x[-1:], torch.cat([hist, x[:-1].t()], 1)[:, -3:], w, 1, silu=True)
         assert torch.equal(tail[0], out[-1])
+
+
+def _parts_equal_plain(x, hist, w, parts) -> None:
+    plain, plain_hist = conv_chunk(x, hist, w, 1, silu=True)
+    got, got_hist = conv_chunk(x, hist, w, 1, silu=True, parts=parts)
+    assert torch.equal(got_hist, plain_hist)
+    assert [p.shape[1] for p in got] == list(parts) and all(p.is_contiguous() for p in got)
+    assert torch.equal(torch.cat(got, dim=1), plain)
+
+
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_conv_chunk_parts_are_the_outputs_columns(T: int, monkeypatch) -> None:
+    """`parts` (the GDN's q | k | v) stores each column range contiguous, with the plain output's bits:
+    the reference path, and the kernel (Triton's interpreter) with widths that do not fill a tile."""
+    import nextserve.ops.conv as conv
+
+    x, hist, w = _inputs(T, 300, 4, 1, torch.float32, seed=7)
+    _parts_equal_plain(x, hist, w, (64, 64, 172))  # the reference
+    monkeypatch.setattr(conv, "use_kernel", lambda *ts: True)
+    _parts_equal_plain(x, hist, w, (64, 64, 172))
+    _parts_equal_plain(x, hist, w, (100, 30, 170))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 3, 4096])
+def test_cuda_conv_chunk_parts_gdn_size(T: int) -> None:
+    x, hist, w = _inputs(T, 10240, 4, 1, torch.bfloat16, device="cuda", seed=6)
+    _parts_equal_plain(x, hist, w, (2048, 2048, 6144))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nextserve.ops.norms import rms_norm, rms_norm_gated
-from nextserve.ops.triton.norms import triton_rms_norm, triton_rms_norm_gated
+from nextserve.ops.triton.norms import _rows, triton_rms_norm, triton_rms_norm_gated
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -13,7 +13,8 @@ TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
 EPS = 1e-6
 # (leading dims, D, group): one slice per row; groups (hc_norm's per-stream norm); heads (q/k norms);
 # a slice longer than a tile, not a power of two; slices shorter than a tile, several per program.
-SHAPES = [((5,), 320, None), ((5,), 320, 80), ((5, 3), 48, None), ((4,), 1100, None), ((6,), 120, 24)]
+SHAPES = [((5,), 320, None), ((5,), 320, 80), ((5, 3), 48, None), ((4,), 1100, None), ((6,), 120, 24),
+          ((2, 3, 4), 40, 8)]  # fmt: skip
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -67,6 +68,7 @@ def test_rms_norm_strided_view() -> None:
     assert got.is_contiguous()
     assert _rel(got, rms_norm(q, w, EPS)) < 1e-6
     assert torch.equal(got, triton_rms_norm(q.contiguous(), w, EPS))
+    assert _rows(q).data_ptr() == q.data_ptr()  # read in place: the [T * heads, D] reshape would copy
 
 
 @pytest.mark.parametrize("act", ["sigmoid", "silu"])
@@ -78,6 +80,7 @@ def test_rms_norm_gated_matches_reference_and_rows_are_invariant(dtype: torch.dt
     z = torch.randn(T, 2 * Hv * dv, generator=g).to(dtype)[:, Hv * dv :].reshape(T, Hv, dv)  # a split view
     w = torch.randn(dv, generator=g).to(dtype)
     got = triton_rms_norm_gated(x, z, w, EPS, act)
+    assert _rows(z).data_ptr() == z.data_ptr()  # the gate read in place
     _close(got, rms_norm_gated(x, z, w, EPS, act), dtype)
     _rows_invariant(lambda a, b: triton_rms_norm_gated(a, b, w, EPS, act), x, z)
 

@@ -76,6 +76,23 @@ def test_sigmoid_gate(dtype: torch.dtype, row_gate: bool, add: bool) -> None:
     _rows_invariant(fn, *((x, gate, r) if add else (x, gate)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_head_split_gate_read_in_place(dtype: torch.dtype) -> None:
+    """QSA's gate: the second half of each head's [q | gate] columns, [T, heads, D] with rows and heads
+    strided; the kernel reads it in place, with the contiguous gate's bits."""
+    T, heads, D = 5, 3, 40
+    qg = torch.randn(T, heads, 2 * D, generator=_gen(14)).to(dtype)
+    x = torch.randn(T, heads * D, generator=_gen(15)).to(dtype)
+    gate = qg[..., D:]
+    got = triton_sigmoid_gate(x, gate)
+    assert torch.equal(got, triton_sigmoid_gate(x, gate.reshape(T, heads * D)))
+    _close(got, x * torch.sigmoid(gate.reshape(T, -1)), TOL[dtype] * 4)
+    assert torch.equal(
+        sigmoid_gate(x.double(), gate.double()), x.double() * torch.sigmoid(gate.double()).flatten(1)
+    )
+    _rows_invariant(lambda p, q: triton_sigmoid_gate(p, q), x, gate)
+
+
 def test_cpu_references_are_the_former_code() -> None:
     """On the CPU the ops are the torch code they replaced in the model, bit for bit."""
     b, a, g, u, sg = _stack(3, [5, 5, 8, 8, 1], torch.bfloat16, seed=6)

@@ -66,7 +66,7 @@ def _silu_mul(g_ptr, u_ptr, o_ptr, T, N, stride_g, stride_u, BLOCK: tl.constexpr
 
 @triton.jit(do_not_specialize=["T"])
 def _sigmoid_gate(
-    x_ptr, gate_ptr, add_ptr, o_ptr, T, N, stride_x, stride_g, stride_add,
+    x_ptr, gate_ptr, add_ptr, o_ptr, T, N, HD, stride_x, stride_g, stride_gh, stride_add,
     BLOCK: tl.constexpr, ROW_GATE: tl.constexpr, ADD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
@@ -79,7 +79,8 @@ def _sigmoid_gate(
     if ROW_GATE:
         g = tl.load(gate_ptr + t * stride_g).to(tl.float32)
     else:
-        g = tl.load(gate_ptr + t * stride_g + c, mask=m, other=0.0).to(tl.float32)
+        g_col = (c // HD) * stride_gh + c % HD  # column c of a gate cut in heads of HD columns
+        g = tl.load(gate_ptr + t * stride_g + g_col, mask=m, other=0.0).to(tl.float32)
     y = (x * sigmoid(g).to(ty).to(tl.float32)).to(ty)
     if ADD:
         r = tl.load(add_ptr + t * stride_add + c, mask=m, other=0.0).to(tl.float32)
@@ -120,16 +121,20 @@ def triton_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def triton_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """[add +] x * sigmoid(gate) for x [T, N], gate [T, N] or [T, 1] (one per row), add [T, N]; each op
-    rounded to x's dtype."""
+    """[add +] x * sigmoid(gate) for x [T, N], gate [T, N], [T, heads, N / heads] (a head-split slice of
+    a stacked projection, read in place) or [T, 1] (one per row), add [T, N]; each op rounded to x's
+    dtype."""
     x, gate = unit_stride(x), unit_stride(gate)
     T, N = x.shape
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T:
         plus = unit_stride(add) if add is not None else x
+        heads = gate.shape[1] if gate.dim() == 3 else 1
+        assert gate.dim() == 2 or heads * gate.shape[2] == N, (gate.shape, N)
         _sigmoid_gate[_grid(T, N)](
-            x, gate, plus, out, T, N, x.stride(0), gate.stride(0), plus.stride(0),
-            BLOCK=BLOCK, ROW_GATE=gate.shape[1] == 1 and N > 1, ADD=add is not None, num_warps=NUM_WARPS,
-            **pdl_args(x),
+            x, gate, plus, out, T, N, gate.shape[-1], x.stride(0), gate.stride(0),
+            gate.stride(1) if heads > 1 else 0, plus.stride(0),
+            BLOCK=BLOCK, ROW_GATE=gate.shape[-1] == 1 and heads == 1 and N > 1, ADD=add is not None,
+            num_warps=NUM_WARPS, **pdl_args(x),
         )  # fmt: skip
     return out
