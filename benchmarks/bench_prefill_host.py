@@ -4,10 +4,10 @@ step runs one whole chunk and samples nothing. That step is queued while a sleep
 `host_ms` is how long engine.step() took to return (the host's cost of the chunk: scheduling, Python,
 launches), `device_ms` the GPU time from the sleep's end to the chunk's end (its kernels back to back).
 A chunk whose host_ms exceeds its device_ms leaves the GPU idle. Each GDN path takes turns (ops/gdn.py
-FLA_MIN_TOKENS: below the chunk = fla's chunked kernels, above = the token-by-token kernel); --cprofile
-adds the host's top functions for one chunk of each. Also the GDN call alone (one layer's shapes):
-host and device time of fla's entry and of the token-by-token kernel; and the host us a call of a cuBLAS
-GEMM, a Triton launch and an allocation. Prints JSON; on a CUDA machine:
+FLA_MIN_TOKENS: below the chunk = fla's chunked kernels, above = the token-by-token kernel). Also the GDN
+call alone (one layer's shapes): host and device time of fla's entry and of the token-by-token kernel;
+and the host us a call of a cuBLAS GEMM, a Triton launch and an allocation. --cprofile adds the host's
+top functions of one chunk and of one GDN call on each path. Prints JSON; on a CUDA machine:
 
     python benchmarks/bench_prefill_host.py [--chunks 1024 2048] [--rounds 5] [--cprofile]
 """
@@ -70,9 +70,7 @@ def chunk_times(engine, chunk: int, rounds: int, profile: bool, seed: int) -> di
             while engine.has_unfinished():
                 engine.step()
             if prof:
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-                res[mode]["cprofile_top_tottime"] = out.getvalue().splitlines()[-32:]
+                res[mode] |= _top_functions(prof)
             elif r:
                 res.setdefault(mode, {"host_ms": [], "device_ms": []})
                 res[mode]["host_ms"].append(round(host, 3))
@@ -84,9 +82,20 @@ def chunk_times(engine, chunk: int, rounds: int, profile: bool, seed: int) -> di
     return res
 
 
-def gdn_call_times(T: int, rounds: int) -> dict:
+def _top_functions(prof: cProfile.Profile, n: int = 25) -> dict:
+    """The n functions of a profile with the most time of their own, and with the most in all."""
+    res = {}
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(n)
+        res[f"cprofile_top_{key}"] = out.getvalue().splitlines()[-(n + 7) :]
+    return res
+
+
+def gdn_call_times(T: int, rounds: int, profile: bool) -> dict:
     """One GDN layer's call at T tokens (Flash-Next: 16 key heads, 48 value heads, 128 wide): host and
-    device ms of fla's entry (as ops/gdn.py calls it) and of the token-by-token kernel."""
+    device ms of fla's entry (as ops/gdn.py calls it) and of the token-by-token kernel; with `profile`
+    the host's top functions of one more call of each."""
     from nextserve.ops.triton.gdn_chunk import triton_gated_delta_rule
 
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -105,6 +114,10 @@ def gdn_call_times(T: int, rounds: int) -> dict:
         times = [_held(lambda fn=fn: fn(q, k, v, decay, beta, state)) for _ in range(rounds)]
         out[name] = {"host_ms": statistics.median(h for h, _ in times),
                      "device_ms": statistics.median(d for _, d in times)}  # fmt: skip
+        if profile:
+            prof = cProfile.Profile()
+            _held(lambda fn=fn, prof=prof: prof.runcall(fn, q, k, v, decay, beta, state))
+            out[name] |= _top_functions(prof)
     return out
 
 
@@ -147,7 +160,7 @@ def main() -> None:
             prefill_chunk=chunk, max_concurrency=1, prefill_batch_chunks=1,
         )  # fmt: skip
         out["chunks"][chunk] = chunk_times(engine, chunk, args.rounds, args.cprofile, seed=chunk)
-        out["gdn_call"][chunk] = gdn_call_times(chunk, args.rounds)
+        out["gdn_call"][chunk] = gdn_call_times(chunk, args.rounds, args.cprofile)
         out["host_us_a_call"][chunk] = call_costs(chunk, args.rounds)
         del engine
         torch.cuda.empty_cache()
