@@ -163,5 +163,6 @@ class WindowBatch:
 
 
 def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The steps' outputs back to back (no copy for a single step: a decode step stays as it was)."""
+    """Steps' or chunks' outputs back to back (no copy for a single one: a decode step or a one-chunk
+    prefill stays as it was)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
             o, new_rec = gated_delta_rule(q, k, v, g[s:e], beta[s:e], rec)
             rec.copy_(new_rec)
             core.append(o)
-        return self._output(torch.cat(core, dim=0), z, ri)  # core [T, Hv, dv]
+        return self._output(cat_rows(core), z, ri)  # core [T, Hv, dv]
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row, state read and written through the rows' slots."""

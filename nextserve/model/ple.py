@@ -133,7 +133,7 @@ class PLE(nn.Module):
             out, new_hist = conv_chunk(normed[s:e], conv_hist, conv_w, self.N, silu=True)
             conv_hist.copy_(new_hist)
             convs.append(out)
-        return gated + torch.cat(convs)
+        return gated + cat_rows(convs)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row; contexts and conv histories read and written through the rows' slots."""

@@ -170,7 +170,7 @@ class QSAttention(nn.Module):
             else:
                 table = kv.block_table[0]
                 outs.append(prefill_sparse_attention(q[s:e], kv.k, kv.v, table, tokens, self.scaling))
-        return self._output(torch.cat(outs, dim=0), gate, ri)
+        return self._output(cat_rows(outs), gate, ri)
 
     def decode(self, u: torch.Tensor, batch: DecodeBatch, cos, sin, rotary) -> torch.Tensor:
         return self.window(u, WindowBatch.of(batch), cos, sin, rotary)
