@@ -6,8 +6,9 @@ launches), `device_ms` the GPU time from the sleep's end to the chunk's end (its
 A chunk whose host_ms exceeds its device_ms leaves the GPU idle. Each GDN path takes turns (ops/gdn.py
 FLA_MIN_TOKENS: below the chunk = fla's chunked kernels, above = the token-by-token kernel). Also the GDN
 call alone (one layer's shapes): host and device time of fla's entry and of the token-by-token kernel;
-and the host us a call of a cuBLAS GEMM, a Triton launch and an allocation. --cprofile adds the host's
-top functions of one chunk and of one GDN call on each path. Prints JSON; on a CUDA machine:
+and the host us a call of a cuBLAS GEMM, an RMS norm (the model's call, its Triton launch alone, the
+launcher alone) and torch ops. --cprofile adds the host's top functions of one chunk and of one GDN call
+on each path. Prints JSON; on a CUDA machine:
 
     python benchmarks/bench_prefill_host.py [--chunks 1024 2048] [--rounds 5] [--cprofile]
 """
@@ -121,17 +122,49 @@ def gdn_call_times(T: int, rounds: int, profile: bool) -> dict:
     return out
 
 
+def _recorded_launcher(jit_launch):
+    """The compiled kernel's launcher, replaying the arguments one `jit_launch()` passed it."""
+    kernel = jit_launch()  # JITFunction.run returns the compiled kernel it launched
+    seen: list = []
+    cls = type(kernel)
+    run_attr = cls.__dict__["run"]  # a property in some Triton versions, a method in others
+    run = run_attr.__get__(kernel, cls)
+    cls.run = property(lambda self: lambda *a, **k: seen.append((a, k)) or run(*a, **k))
+    try:
+        jit_launch()
+    finally:
+        cls.run = run_attr
+    ((args, kwargs),) = seen
+    return lambda: run(*args, **kwargs)
+
+
 def call_costs(T: int, rounds: int, calls: int = 200) -> dict:
-    """Host us a call (GPU held) of the three things a prefill forward does most: a cuBLAS GEMM at the
-    GDN in-projection's shape, a Triton launch (ops/norms.py rms_norm), a torch allocation."""
+    """Host us a call (GPU held) of the things a prefill forward does most: a cuBLAS GEMM at the GDN
+    in-projection's shape; an RMS norm as the model calls it (ops/norms.py: checks, views, an allocation,
+    the launch), its Triton launch alone (`_rms_norm[grid](...)`: binder, cache key, checks, launcher) and
+    the compiled kernel's launcher alone (the arguments Triton passed it, replayed: the floor of any
+    launch path in Python); a torch elementwise op and a torch allocation."""
     from nextserve.ops.norms import rms_norm
+    from nextserve.ops.triton import norms
+    from nextserve.ops.triton.common import pdl_args
 
     x = torch.randn(T, 2560, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
     w = torch.randn(16480, 2560, device="cuda", dtype=torch.bfloat16)
     nw = torch.ones(2560, device="cuda", dtype=torch.bfloat16)
+
+    def triton_launch():
+        return norms._rms_norm[(T,)](
+            x, nw, x, y, T, 1, 2560, 1, x.stride(0), 0, x.stride(0), 0, 1.0 / 2560, 1e-6,
+            ROWS=1, BLOCK=4096, GATED=False, SIGMOID=False, ROUND_PROD=False, num_warps=16, **pdl_args(x),
+        )  # fmt: skip
+
     ops = {
         "cublas_linear": lambda: torch.nn.functional.linear(x, w),
         "triton_rms_norm": lambda: rms_norm(x, nw, 1e-6),
+        "triton_launch": triton_launch,
+        "triton_launcher_alone": _recorded_launcher(triton_launch),
+        "torch_add": lambda: torch.add(x, x, out=y),
         "torch_empty": lambda: torch.empty((T, 2560), device="cuda", dtype=torch.bfloat16),
     }
     out = {}

@@ -48,8 +48,7 @@ class GatedDeltaNet(nn.Module):
 
     def _split(self, x: torch.Tensor | list[torch.Tensor]):
         """Conv output [T, conv_dim] (or its q, k, v column parts) -> q, k [T, Hk, dk], v [T, Hv, dv]."""
-        kd = self.hk * self.dk
-        q, k, v = x if isinstance(x, list) else (x[:, :kd], x[:, kd : 2 * kd], x[:, 2 * kd :])
+        q, k, v = x if isinstance(x, list) else x.split(self.conv_parts, dim=-1)
         T = q.shape[0]
         return q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk), v.reshape(T, self.hv, self.dv)
 
