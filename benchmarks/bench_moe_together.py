@@ -5,8 +5,9 @@ I=640): graph replay µs of both, and whether every row's bits equal its chunk's
 python benchmarks/bench_moe_together.py [--fp8] [--chunk 4096] [--groups 1 2 4 8]
     [--tiles 64,4 128,8,128 128,8,128,128,3]
 --tiles: BLOCK_M,warps[,gate/up BLOCK_N[,BLOCK_K[,stages[,down BLOCK_N[,down BLOCK_K]]]]] to sweep (warps
-and stages for both kernels); each row also says whether its bits equal the default tile's (whether the
-tile enters the numerics on this GPU)."""
+and stages for both kernels), or any of grouped_experts' keywords as key=value (n_fast=0,warps_down=4);
+each row also says whether its bits equal the default tile's (whether the tile enters the numerics on
+this GPU)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,18 @@ def main() -> None:
         gate_up, down = Fp8Weight(*quantize(gate_up)), Fp8Weight(*quantize(down))
     bm = default_block_m(args.chunk * K, E)
     tiles = [{"block_m": bm}]
-    tiles += [dict(zip(TILE_KEYS, map(int, t.split(",")), strict=False)) for t in args.tiles]
+    tiles += [_tile(t) for t in args.tiles]
     rows = [_row(G, args.chunk, tile, bm, gate_up, down, g) for G in args.groups for tile in tiles]
     out = {"benchmark": "moe_together", "git": git_info(None), "hardware": hardware(dev),
            "weights": "fp8" if args.fp8 else "bf16", "chunk": args.chunk, "rows": rows}  # fmt: skip
     print(json.dumps(out, indent=1))
+
+
+def _tile(text: str) -> dict:
+    """grouped_experts' keywords from 'BLOCK_M,warps,...' (TILE_KEYS in order) or 'key=value,...'."""
+    if "=" not in text:
+        return dict(zip(TILE_KEYS, map(int, text.split(",")), strict=False))
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 
 def _row(G: int, T: int, tile: dict, default_bm: int, gate_up, down, g):
@@ -60,9 +68,9 @@ def _row(G: int, T: int, tile: dict, default_bm: int, gate_up, down, g):
 
     tile = dict(tile)
     if "warps" in tile:
-        tile["warps_down"] = tile["warps"]
+        tile.setdefault("warps_down", tile["warps"])
     if "stages" in tile:
-        tile["stages_down"] = tile["stages"]
+        tile.setdefault("stages_down", tile["stages"])
 
     def together():
         return grouped_experts(x, w, ids, gate_up, down, **tile)

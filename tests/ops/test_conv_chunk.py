@@ -28,8 +28,9 @@ def _reference(x, hist, w, dil, silu):
 
 
 @pytest.mark.parametrize(
-    "T,dil,silu", [(1, 1, True), (2, 1, False), (3, 1, True), (37, 1, True), (20, 3, False)]
-)
+    "T,dil,silu",
+    [(1, 1, True), (2, 1, False), (3, 1, True), (37, 1, True), (20, 3, False), (40, 7, True)],
+)  # (40, 7): the history (21 rows) reaches the second row tile
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_chunk_kernel_vs_reference(T: int, dil: int, silu: bool, dtype) -> None:
     C, K = 300, 4  # C: a partial channel tile

@@ -109,6 +109,16 @@ def test_int32_ids_and_views() -> None:
 
 
 @small
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_launch_order_does_not_change_bits(block_m: int) -> None:
+    """Grids (N tiles, blocks) and (blocks, N tiles) run the same programs: equal bits."""
+    x, w, ids, gu, dn = moe_problem(45, 72, 6, 3, 40, torch.float32, seed=11)
+    blocks = dict(block_m=block_m, block_n=16, block_n_down=32)
+    out = _check((x, w, ids, gu, dn), 1e-5, n_fast=True, **blocks)
+    assert torch.equal(grouped_experts(x, w, ids, gu, dn, n_fast=False, **blocks), out)
+
+
+@small
 def test_no_tokens() -> None:
     x, w, ids, gu, dn = moe_problem(1, **SMALL, dtype=torch.float32, seed=10)
     out = grouped_experts(x[:0], w[:0], ids[:0], gu, dn)
@@ -196,6 +206,18 @@ def test_bf16_matches_reference(real_problem, real_weights_fp32, tokens: int) ->
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_bf16_block_m(real_problem, real_weights_fp32, block_m: int) -> None:
     _check_real(*real_problem, real_weights_fp32, block_m=block_m)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_launch_order_does_not_change_bits(real_problem, fp8: bool) -> None:
+    x, w, ids, gu, dn = real_problem
+    if fp8:
+        gu, dn = Fp8Weight(*quantize(gu)), Fp8Weight(*quantize(dn))
+    for block_m in (32, 128):
+        fast = grouped_experts(x, w, ids, gu, dn, block_m=block_m, n_fast=True)
+        assert torch.equal(grouped_experts(x, w, ids, gu, dn, block_m=block_m, n_fast=False), fast)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,10 @@ BLOCK_T = 16
 BLOCK_C = 256
 
 
-@triton.jit(do_not_specialize=["T", "stride_xt", "stride_ot"])
+# NOTE: T is not specialised (one binary for every chunk length); the row strides are, so that a row's
+# address is known 16-byte aligned and the tiles load and store 16 bytes at a time (unspecialised, every
+# element was its own 2-byte access).
+@triton.jit(do_not_specialize=["T"])
 def _conv_chunk(
     x_ptr, hist_ptr, w_ptr, out_ptr, T, C, L, P1, P2,
     stride_xt, stride_hc, stride_hl, stride_wc, stride_wk, stride_ot,
@@ -41,14 +44,20 @@ def _conv_chunk(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tm, cm = t < T, c < C
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    # NOTE: only tiles starting before row L reach back into the history: the others skip its loads (all
+    # masked off, but each a strided 2-byte access still issued), the values unchanged
+    reads_history = tl.program_id(0) * BLOCK_T < L
     for k in tl.static_range(K):
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=cm, other=0.0).to(x_dtype).to(tl.float32)
         src = t - (K - 1 - k) * DIL  # [BLOCK_T] the input row of tap k; < 0: the history's column L + src
         in_x = (src >= 0)[:, None] & tm[:, None] & cm[None, :]
-        in_h = (src < 0)[:, None] & tm[:, None] & cm[None, :]
         xv = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xt + c[None, :], mask=in_x, other=0.0)
-        hv = tl.load(hist_ptr + c[None, :] * stride_hc + (L + src)[:, None] * stride_hl, mask=in_h, other=0.0)
-        val = tl.where(in_x, xv.to(tl.float32), hv.to(x_dtype).to(tl.float32))
+        val = xv.to(tl.float32)
+        if reads_history:
+            in_h = (src < 0)[:, None] & tm[:, None] & cm[None, :]
+            h_ptrs = hist_ptr + c[None, :] * stride_hc + (L + src)[:, None] * stride_hl
+            hv = tl.load(h_ptrs, mask=in_h, other=0.0)
+            val = tl.where(in_x, val, hv.to(x_dtype).to(tl.float32))
         if k == 0:
             acc = val * w[None, :]
         else:
@@ -57,9 +66,10 @@ def _conv_chunk(
         acc = acc / (1.0 + tl.exp(-acc))
     t64 = t[:, None].to(tl.int64)
     if PARTS:  # column c of the part starting at column s (width w) at T * s + t * w + (c - s)
-        start = tl.where(c >= P2, P2, tl.where(c >= P1, P1, 0))
-        width = tl.where(c >= P2, C - P2, tl.where(c >= P1, P2 - P1, P1))
-        out = out_ptr + T.to(tl.int64) * start[None, :] + t64 * width[None, :] + (c - start)[None, :]
+        c0 = tl.program_id(1) * BLOCK_C  # a tile lies in one part (BLOCK_C divides P1 and P2)
+        start = tl.where(c0 >= P2, P2, tl.where(c0 >= P1, P1, 0))
+        width = tl.where(c0 >= P2, C - P2, tl.where(c0 >= P1, P2 - P1, P1))
+        out = out_ptr + T.to(tl.int64) * start + t64 * width + (c - start)[None, :]
     else:
         out = out_ptr + t64 * stride_ot + c[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
@@ -83,13 +93,15 @@ def triton_conv_chunk(
     x = unit_stride(x)
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     P1, P2 = (parts[0], parts[0] + parts[1]) if parts else (0, 0)
+    # a tile's columns lie in one part: the widest power of two up to BLOCK_C that divides P1 and P2
+    block_c = min(BLOCK_C, (P1 | P2) & -(P1 | P2)) if P1 | P2 else BLOCK_C
     if T > 0:
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))
+        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, block_c))
         _conv_chunk[grid](
             x, history, weight, out, T, C, history.shape[1], P1, P2,
             x.stride(0), history.stride(0), history.stride(1), weight.stride(0), weight.stride(1),
             out.stride(0), K=K, DIL=dilation, SILU=silu, PARTS=parts is not None,
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
+            BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
     if parts is None:
         return out

@@ -88,6 +88,7 @@ PLAN_WARPS = 16
 PLAN_SMALL_WARPS = 8
 _INT_BIG = 1 << 30  # an id above every expert: masked pairs count nowhere
 _SEARCH_STEPS = 31  # binary search steps of the SORTED plan: enough for n < 2**30 pairs
+_GRID_Y_MAX = 65535  # a CUDA grid's second axis
 
 
 @triton.jit
@@ -199,6 +200,16 @@ def _fp8_tile(w, s_rows, k0, ty: tl.constexpr):
 
 
 @triton.jit
+def _block_and_tile(N_FAST: tl.constexpr):
+    """(block, N tile) of this program: grid (blocks, tiles), or (tiles, blocks) with N_FAST, where the
+    programs next to each other in launch order share a block's rows (read from L2, not HBM, by its
+    tiles) and the expert's weights (read by the expert's blocks together)."""
+    if N_FAST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _gate_up(
     x_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, gu_ptr, sgu_ptr, act_ptr, H, I, E_SHARED,
     stride_gu_e, stride_gu_n,
@@ -206,14 +217,14 @@ def _gate_up(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     W_FP8: tl.constexpr = False, gus_ptr=None, sgus_ptr=None, stride_gus_e=0, stride_gus_r=0,
+    N_FAST: tl.constexpr = False,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
     (the shared expert; -1: none). W_FP8: the weights are float8_e4m3fn, with float32 scales [E, 2I/128,
     cdiv(H, 128)] at gus_ptr (the shared expert's at sgus_ptr), each tile dequantized in registers."""
     pdl_start(PDL)
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
     if e < 0:
         return
@@ -277,12 +288,12 @@ def _down(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
     W_FP8: tl.constexpr = False, ds_ptr=None, sds_ptr=None, stride_ds_e=0, stride_ds_r=0,
+    N_FAST: tl.constexpr = False,
 ):  # fmt: skip
     """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile).
     W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`)."""
     pdl_start(PDL)
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
     if e < 0:
         return
@@ -470,6 +481,7 @@ def grouped_experts(
     stages_down: int = 4,
     block_h_combine: int = 512,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    n_fast: bool = True,
 ) -> torch.Tensor:
     """The prefill entry: x [T, H]; weights [T, k]; ids [T, k] (int32/int64, < E); gate_up [E, 2I, H]
     (gate rows first); down [E, H, I]. Returns [T, H] in x.dtype: per token, sum over its k experts
@@ -478,7 +490,8 @@ def grouped_experts(
     Deterministic (no atomics) and free of host reads, the kernels of `grouped_decode_experts` with
     prefill's blocks and the pairs sorted by torch.sort. block_m None picks it from T*k/E
     (`default_block_m`); block_n, block_n_down and warps None are 128, 256 and 8 with a BLOCK_M of 128,
-    else 64, 128 and 4.
+    else 64, 128 and 4. n_fast: the programs of a block's N tiles launch next to each other (see
+    `_block_and_tile`); the launch order never changes the bits.
     The block sizes are part of the numerics. A repeated id in a row is still summed, in slot order, as
     the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
@@ -489,16 +502,17 @@ def grouped_experts(
     block_n_down = block_n_down or (256 if wide else 128)
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
-        warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared,
+        warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared, n_fast=n_fast,
     )  # fmt: skip
 
 
 def _grouped(
     x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
-    warps, warps_down, stages, stages_down, block_h_combine, sort: bool, shared=None,
+    warps, warps_down, stages, stages_down, block_h_combine, sort: bool, shared=None, n_fast=False,
 ) -> torch.Tensor:  # fmt: skip
     """The four launches of both entries (sort: how `plan` orders the pairs; shared: expert E's
-    weights, planned as one more expert)."""
+    weights, planned as one more expert; n_fast: grids (N tiles, blocks) while the blocks fit a grid's
+    second axis)."""
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
     gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
@@ -522,20 +536,25 @@ def _grouped(
     nb = blk.shape[1]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty((n, I), dtype=x.dtype, device=x.device)
-    _gate_up[(nb, triton.cdiv(I, block_n))](
+    n_fast = n_fast and nb <= _GRID_Y_MAX
+
+    def grid(tiles: int) -> tuple[int, int]:
+        return (tiles, nb) if n_fast else (nb, tiles)
+
+    _gate_up[grid(triton.cdiv(I, block_n))](
         x, order, blk[0], blk[1], blk[2], gate_up, sgu, act, H, I, e_shared, gate_up.stride(0),
         gate_up.stride(1),
         K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
-        num_warps=warps, num_stages=stages, **pdl_args(x), **gu_fp8,
+        num_warps=warps, num_stages=stages, N_FAST=n_fast, **pdl_args(x), **gu_fp8,
     )  # fmt: skip
     yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
-    _down[(nb, triton.cdiv(H, block_n_down))](
+    _down[grid(triton.cdiv(H, block_n_down))](
         act, order, weights, blk[0], blk[1], blk[2], down, sdown, yw, H, I, e_shared, down.stride(0),
         down.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down,
         EVEN_K=I % block_k_down == 0, EVEN_N=H % block_n_down == 0, DOT_PRECISION=precision,
-        num_warps=warps_down, num_stages=stages_down, **pdl_args(act), **down_fp8,
+        num_warps=warps_down, num_stages=stages_down, N_FAST=n_fast, **pdl_args(act), **down_fp8,
     )  # fmt: skip
     _combine[(M, triton.cdiv(H, block_h_combine))](
         yw, ids, out, H, K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h_combine, **pdl_args(yw),

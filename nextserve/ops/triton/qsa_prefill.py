@@ -29,7 +29,9 @@ BLOCK_T = 64  # rows of a tile
 BLOCK_J = 64  # blocks of a tile; the scores' width is a multiple of it
 
 
-@triton.jit(do_not_specialize=["T", "n_cols", "start", "stride_qt", "stride_ot"])
+# NOTE: the row strides are specialised (q's is the model's, out's the width: a multiple of BLOCK_J, one
+# value class), so rows are known 16-byte aligned and loads and stores move 16 bytes at a time.
+@triton.jit(do_not_specialize=["T", "n_cols", "start"])
 def _prefill_index_scores_kernel(
     q_ptr, key_ptr, bt_ptr, out_ptr, T, n_cols, start, bpp, inv_scale,
     stride_qt, stride_qh, stride_kp, stride_ki, stride_ot,
