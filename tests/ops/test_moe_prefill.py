@@ -119,6 +119,18 @@ def test_launch_order_does_not_change_bits(block_m: int) -> None:
 
 
 @small
+def test_more_blocks_than_a_grid_axis_takes_blocks_first(monkeypatch) -> None:
+    """Past _GRID_Y_MAX blocks (65,535: a CUDA grid's second axis) prefill launches blocks first: the
+    same bits."""
+    import nextserve.ops.triton.moe_grouped as mg
+
+    x, w, ids, gu, dn = moe_problem(45, 72, 6, 3, 40, torch.float32, seed=12)
+    out = grouped_experts(x, w, ids, gu, dn, block_m=16)
+    monkeypatch.setattr(mg, "_GRID_Y_MAX", 2)
+    assert torch.equal(_check((x, w, ids, gu, dn), 1e-5, block_m=16), out)
+
+
+@small
 def test_no_tokens() -> None:
     x, w, ids, gu, dn = moe_problem(1, **SMALL, dtype=torch.float32, seed=10)
     out = grouped_experts(x[:0], w[:0], ids[:0], gu, dn)
