@@ -7,8 +7,8 @@ A chunk whose host_ms exceeds its device_ms leaves the GPU idle. Each GDN path t
 FLA_MIN_TOKENS: below the chunk = fla's chunked kernels, above = the token-by-token kernel). Also the GDN
 call alone (one layer's shapes): host and device time of fla's entry and of the token-by-token kernel;
 and the host us a call of a cuBLAS GEMM, an RMS norm (the model's call, its Triton launch alone, the
-launcher alone) and torch ops. --cprofile adds the host's top functions of one chunk and of one GDN call
-on each path. Prints JSON; on a CUDA machine:
+launcher alone) and torch ops. --cprofile adds the host's top functions (us a call) of one chunk and of
+PROFILED_CALLS GDN calls on each path. Prints JSON; on a CUDA machine:
 
     python benchmarks/bench_prefill_host.py [--chunks 1024 2048] [--rounds 5] [--cprofile]
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import pstats
 import statistics
@@ -36,6 +35,7 @@ from nextserve.ops import gdn  # noqa: E402
 
 SLEEP_CYCLES = 400_000_000  # ~0.2 s at 1.98 GHz: longer than any 8-layer chunk's host time measured here
 MODES = {"token_by_token": 1 << 30, "fla": 64}  # FLA_MIN_TOKENS of each GDN path
+PROFILED_CALLS = 20  # GDN calls under --cprofile (their mean per call is reported)
 
 
 def _held(fn) -> tuple[float, float]:
@@ -83,20 +83,26 @@ def chunk_times(engine, chunk: int, rounds: int, profile: bool, seed: int) -> di
     return res
 
 
-def _top_functions(prof: cProfile.Profile, n: int = 25) -> dict:
-    """The n functions of a profile with the most time of their own, and with the most in all."""
+def _top_functions(prof: cProfile.Profile, per: int = 1, n: int = 25) -> dict:
+    """The n functions of a profile with the most time of their own, and with the most in all, as rows of
+    microseconds per profiled call (`per` calls ran under the profile; pstats' own print rounds to ms)."""
+    rows = [
+        {"function": pstats.func_std_string(fn), "calls": nc / per, "tottime_us": tt / per * 1e6,
+         "cumtime_us": ct / per * 1e6}
+        for fn, (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()
+    ]  # fmt: skip
     res = {}
-    for key in ("tottime", "cumtime"):
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(n)
-        res[f"cprofile_top_{key}"] = out.getvalue().splitlines()[-(n + 7) :]
+    for key in ("tottime_us", "cumtime_us"):
+        top = sorted(rows, key=lambda r: -r[key])[:n]
+        res[f"cprofile_top_{key}"] = [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
+                                      for r in top]  # fmt: skip
     return res
 
 
 def gdn_call_times(T: int, rounds: int, profile: bool) -> dict:
     """One GDN layer's call at T tokens (Flash-Next: 16 key heads, 48 value heads, 128 wide): host and
     device ms of fla's entry (as ops/gdn.py calls it) and of the token-by-token kernel; with `profile`
-    the host's top functions of one more call of each."""
+    the host's top functions over PROFILED_CALLS more calls of each, per call."""
     from nextserve.ops.triton.gdn_chunk import triton_gated_delta_rule
 
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -117,8 +123,9 @@ def gdn_call_times(T: int, rounds: int, profile: bool) -> dict:
                      "device_ms": statistics.median(d for _, d in times)}  # fmt: skip
         if profile:
             prof = cProfile.Profile()
-            _held(lambda fn=fn, prof=prof: prof.runcall(fn, q, k, v, decay, beta, state))
-            out[name] |= _top_functions(prof)
+            for _ in range(PROFILED_CALLS):  # µs of a call need many calls: a call's parts are a few µs
+                _held(lambda fn=fn, prof=prof: prof.runcall(fn, q, k, v, decay, beta, state))
+            out[name] |= _top_functions(prof, per=PROFILED_CALLS)
     return out
 
 

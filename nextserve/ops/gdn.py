@@ -44,9 +44,10 @@ def gated_delta_rule(
     return gated_delta_rule_reference(q, k, v, g, beta, state)
 
 
-# NOTE: fla's call costs about a millisecond of host time (a dozen launches and their Python), more than the
-# token-by-token kernel's GPU time on chunks of ~1K tokens (a 1,024-token prompt prefilled at 30.8K tok/s
-# with fla on every chunk of 64+, 34.8K without; H200, BENCHMARKS.md session 12): fla from 2,048 on.
+# NOTE: fla's call costs 1.35-1.55 ms of host time (nine autotuned Triton launches and fla's layers around
+# them, BENCHMARKS.md session 22), more than the token-by-token kernel's GPU time on chunks of ~1K tokens
+# (a 1,024-token prompt prefilled at 30.8K tok/s with fla on every chunk of 64+, 34.8K without; H200,
+# BENCHMARKS.md session 12): fla from 2,048 on.
 FLA_MIN_TOKENS = 2048
 
 
