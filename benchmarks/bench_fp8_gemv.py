@@ -47,16 +47,18 @@ def _triton_cvt(fn):
         FP8_BIT_MOVES[0] = True
 
 
-def _sweep(timer: Timer, w: Fp8Weight, x: torch.Tensor) -> list[dict]:
+def _sweep(
+    timer: Timer, w: Fp8Weight, x: torch.Tensor, widths: list[int], stage_counts: list[int]
+) -> list[dict]:
     N, K = w.shape
     rule = _config(N, K, x.dtype, fp8=True)
     out = []
-    for bn in (16, 32, 64, 128):
+    for bn in widths:
         s_rule, _ = _splits(N, K, bn, 128)
         k_tiles = triton.cdiv(K, 128)
         for want in sorted({1, s_rule, min(k_tiles, 2 * s_rule), max(1, s_rule // 2)}):
             s, _ = _splits(N, K, bn, 128, want=want)
-            for stages in (3, 4):
+            for stages in stage_counts:
                 for warps in (4, 8) if bn >= 64 else (4,):
                     cfg = dict(block_n=bn, block_k=128, splits=want, num_stages=stages, num_warps=warps)
                     us = timer.cold_us(lambda cfg=cfg: small_m_linear(x, w, **cfg))
@@ -72,6 +74,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8], help="row counts")
     ap.add_argument("--sweep", action="store_true", help="also sweep FP8 configurations (at the first M)")
+    ap.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128], help="the sweep's BLOCK_N")
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="the sweep's num_stages")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -106,7 +110,8 @@ def main() -> None:
             rows.append(row)
             print(f"# {N}x{K} M={M}: " + ", ".join(f"{k} {row[f'{k}_us']}" for k in fns), file=sys.stderr)
         if args.sweep:
-            sweep += _sweep(timer, w8, torch.randn(args.m[0], K, device=dev, dtype=torch.bfloat16))
+            x = torch.randn(args.m[0], K, device=dev, dtype=torch.bfloat16)
+            sweep += _sweep(timer, w8, x, args.widths, args.stages)
         del w16, w8, plain
         torch.cuda.empty_cache()
     step = {}

@@ -7,7 +7,7 @@ out=${1:?usage: ref_side_by_side.sh OUT_DIR [flags]}
 shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # (fla may be on the path)
 ckpt=${CKPT:-/tmp/ref8}
 [ -f "$ckpt/config.json" ] || python3 benchmarks/reference/make_ckpt.py "$ckpt" 8
 for q in none fp8; do

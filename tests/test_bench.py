@@ -83,6 +83,20 @@ def test_bench_cli_tiny_cpu_prints_json(capsys, tmp_path, one_thread) -> None:
     assert ratios["same_first_token@24"] and ratios["same_first_token@40"]
 
 
+def test_bench_runs_the_engines_default_chunk_and_page_size() -> None:
+    """`nextserve bench` without flags measures the engine `nextserve serve` runs (it once prefilled in
+    chunks of 1,024 where the engine's default is 4,096)."""
+    import argparse
+
+    from nextserve.bench.run import add_arguments
+    from nextserve.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    assert (args.prefill_chunk, args.page_size) == (EngineConfig().prefill_chunk, EngineConfig().page_size)
+
+
 def test_random_model_matches_loader_names_and_is_finite() -> None:
     cfg, _ = bench.bench_config("tiny")
     model = bench.random_flash_next(cfg, "cpu", torch.bfloat16, seed=1)

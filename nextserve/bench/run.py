@@ -68,8 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-prompt-len", type=int, default=256,
         help="prompt tokens of each decoding request (default: 256)",
     )  # fmt: skip
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk (default: 1024)")
-    p.add_argument("--page-size", type=int, default=64, help="engine KV page size (default: 64)")
+    # NOTE: the engine's own defaults, so a bench measures what `nextserve serve` runs
+    chunk, page = EngineConfig.prefill_chunk, EngineConfig.page_size
+    p.add_argument(
+        "--prefill-chunk", type=int, default=chunk, help=f"engine prefill chunk (default: {chunk})"
+    )
+    p.add_argument("--page-size", type=int, default=page, help=f"engine KV page size (default: {page})")
     p.add_argument(
         "--transformers", action=argparse.BooleanOptionalAction, default=True,
         help="also run the workload through transformers' Qwen4ExpForCausalLM (default: on)",

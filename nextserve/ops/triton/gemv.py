@@ -89,6 +89,7 @@ TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {  # (block_n,
 }
 FP8_BLOCK_K = 128  # an FP8 tile's K columns: one scale block, so its partial is scaled once per column
 FP8_TILE_BYTES = 8192
+FP8_NUM_STAGES = 8  # measured in the engine's CUDA graphs, not alone (BENCHMARKS.md, session 23)
 # FP8 weights' measured best configurations (the same bench, `--fp8`), keyed like TUNED
 FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
     (13952, 2560, torch.bfloat16): (32, 128, 2),  # QSA in_proj: 19.9 us against the rule's 21.0
@@ -121,7 +122,8 @@ def _config(
         block_n = 32 if triton.cdiv(N, 32) >= target else 16
         block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
         splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
-    return Config(block_n, block_k, *splits, num_warps=4, num_stages=4, preload=_preload(splits[1]))
+    stages = FP8_NUM_STAGES if fp8 else 4  # an FP8 stage holds half the weight bytes of a 16-bit one
+    return Config(block_n, block_k, *splits, num_warps=4, num_stages=stages, preload=_preload(splits[1]))
 
 
 def _preload(split_tiles: int) -> int:
@@ -203,7 +205,11 @@ def _small_m_gemm(
     # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
     # x is fetched for them. They enter the dot exactly as the loop's tiles do (same tiles, same order).
     POST: tl.constexpr = W_FP8 and POST_SCALE
-    # (a post-scaled FP8 split preloads nothing: the host launches it with PRELOAD = 0)
+    # NOTE: a short FP8 split (<= PRELOAD_TILES tiles: K <= 512, or many splits; none of the released
+    # model's FP8 shapes) preloads all its tiles dequantized per weight (ops/fp8.py's roundings), as
+    # `post_scale=False` does, and scales no partial. Scaling them instead made the small preset's FP8
+    # engine (K = 256) part from the dequantized checkpoint's within 8 tokens (tests/gpu/test_fp8_engine.py,
+    # session 23). Either way the rule is a function of (N, K, dtype): rows stay invariant.
     if PRELOAD > 0:
         w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
     if PRELOAD > 1:
