@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--label", default="")
     ap.add_argument("--revision", default=None)
-    ap.add_argument("--plan-small", type=int, default=None, help="moe_grouped.PLAN_SMALL for this run")
+    ap.add_argument("--plan-small", type=int, default=None, help="moe_plan.PLAN_SMALL for this run")
     ap.add_argument(
         "--pdl",
         action=argparse.BooleanOptionalAction,
@@ -75,9 +75,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.plan_small is not None:
-        from nextserve.ops.triton import moe_grouped
+        from nextserve.ops.triton import moe_plan
 
-        moe_grouped.PLAN_SMALL = args.plan_small
+        moe_plan.PLAN_SMALL = args.plan_small
     dev = torch.device("cuda")
     hc, moe = GatedResidual(CFG), SparseMoe(CFG)
     _randomize(hc, dev)

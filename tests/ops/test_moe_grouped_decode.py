@@ -11,7 +11,8 @@ from triton_interp import DEV, needs_cuda, row_independent_dot, small  # noqa: F
 
 from nextserve.ops.moe import _experts_by_row
 from nextserve.ops.triton import moe_grouped as mgd
-from nextserve.ops.triton.moe_grouped import grouped_decode_experts, max_blocks, plan
+from nextserve.ops.triton import moe_plan
+from nextserve.ops.triton.moe_grouped import grouped_decode_experts
 
 SMALL = dict(H=64, E=8, k=2, I=32)
 TINY_BLOCKS = dict(block_n=16, block_k=16, block_n_down=16, block_k_down=16, block_h_combine=16)
@@ -78,52 +79,6 @@ def test_shared_expert_as_expert_e(M: int, k: int) -> None:
         one = grouped_decode_experts(x[i : i + 1], w1[i : i + 1], ids1[i : i + 1], gu, dn, shared=(sgu, sdn),
                                      **TINY_BLOCKS)  # fmt: skip
         assert torch.equal(one[0], out[i]), i
-
-
-@small
-@pytest.mark.parametrize("M,E,k", [(1, 8, 2), (5, 8, 3), (23, 6, 3), (40, 4, 2), (3, 512, 10)])
-def test_plan(M, E, k) -> None:
-    """order is the stable sort of the pairs by expert id; the blocks cut each expert's run of sorted
-    pairs into pieces of at most BLOCK_M, in ascending expert id, then -1; their count is within the
-    shape-only bound (the grid)."""
-    ids = moe_problem(M, 16, E, k, 16, torch.float32, seed=M + E + k)[2]
-    order, blk = plan(ids, E)
-    flat = ids.reshape(-1).cpu()
-    assert torch.equal(order.long().cpu(), torch.sort(flat, stable=True).indices)
-    assert blk.shape == (3, max_blocks(M * k, E))
-    sorted_e = flat[order.long().cpu()]
-    expect = []
-    for e in range(E):
-        run = (sorted_e == e).nonzero().flatten().tolist()
-        for j in range(0, len(run), mgd.BLOCK_M):
-            piece = run[j : j + mgd.BLOCK_M]
-            expect.append([e, piece[0], piece[-1] + 1])
-    expect += [[-1, 0, 0]] * (blk.shape[1] - len(expect))
-    assert blk.cpu().T.tolist() == expect
-
-
-@small
-@pytest.mark.parametrize("E,k", [(512, 10), (513, 11), (8, 3), (3, 2), (40, 1)])
-def test_small_plan_equals_chunked_plan(E, k) -> None:
-    """The one-program plan of a few rows gives the chunked plan's order and blocks, bit for bit, at
-    every pair count up to PLAN_SMALL (experts shared by many rows, runs longer than a block), and at
-    both block sizes."""
-    g = torch.Generator().manual_seed(E + k)
-    for M in range(1, mgd.PLAN_SMALL // k + 1):
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
-        if M % 3 == 0:  # skewed: most rows on the same experts
-            ids[: M - 1] = ids[0]
-        ids = ids.to(DEV)
-        for block_m in (16, 4):
-            a, b = plan(ids, E, block_m, small=True), plan(ids, E, block_m, small=False)
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (M, block_m)
-
-
-def test_max_blocks_bound_is_tight() -> None:
-    assert max_blocks(10, 512) == 10  # M = 1: every pair its own block
-    assert max_blocks(320, 512) == 320
-    assert max_blocks(330, 20) == (330 + 20 * 15) // 16
-    assert max_blocks(1, 8) == 1
 
 
 @small
@@ -358,7 +313,7 @@ def test_bf16_rows_are_invariant(real_weights, real_rows) -> None:
 
 def _kernel_cache_keys() -> set:
     keys = set()
-    for kernel in (mgd._gate_up, mgd._down, mgd._combine, mgd._plan):
+    for kernel in (mgd._gate_up, mgd._down, mgd._combine, moe_plan._plan):
         for cache in kernel.device_caches.values():
             keys |= {(kernel.__name__, key) for key in cache[0]}
     return keys
