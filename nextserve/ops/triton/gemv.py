@@ -65,6 +65,7 @@ from .common import (
 BLOCK_M = 16
 TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
 TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
+NUM_STAGES = 4  # pipeline depth of a 16-bit configuration
 MIN_SPLIT_K_TILES = 8  # K is split only when the unsplit loop would run this many tiles or more
 PRELOAD_TILES = 4  # a split of at most this many weight tiles loads them all before the PDL wait
 REDUCE_BLOCK = 256
@@ -89,7 +90,8 @@ TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {  # (block_n,
 }
 FP8_BLOCK_K = 128  # an FP8 tile's K columns: one scale block, so its partial is scaled once per column
 FP8_TILE_BYTES = 8192
-FP8_NUM_STAGES = 8  # measured in the engine's CUDA graphs, not alone (BENCHMARKS.md, session 23)
+# an FP8 stage holds half a 16-bit stage's weight bytes; measured in the engine's CUDA graphs, not alone
+FP8_NUM_STAGES = 8  # (BENCHMARKS.md, session 23)
 # FP8 weights' measured best configurations (the same bench, `--fp8`), keyed like TUNED
 FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
     (13952, 2560, torch.bfloat16): (32, 128, 2),  # QSA in_proj: 19.9 us against the rule's 21.0
@@ -106,7 +108,7 @@ def _config(
     numerics: a row's bits are fixed for a given config, whatever M). `target` and `min_split` are the
     rule's constants, overridden only by the benchmark that compares rules (which then ignores TUNED).
     `fp8`: an FP8 weight scaled after each tile's dot (POST_SCALE): tiles of one 128-column scale block,
-    BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile)."""
+    BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile), FP8_NUM_STAGES deep."""
     rule = (target, min_split) == (TARGET_PROGRAMS, MIN_SPLIT_K_TILES)
     tuned = (FP8_TUNED if fp8 else TUNED).get((N, K, dtype)) if rule else None
     if tuned is not None:
@@ -122,7 +124,7 @@ def _config(
         block_n = 32 if triton.cdiv(N, 32) >= target else 16
         block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
         splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
-    stages = FP8_NUM_STAGES if fp8 else 4  # an FP8 stage holds half the weight bytes of a 16-bit one
+    stages = FP8_NUM_STAGES if fp8 else NUM_STAGES
     return Config(block_n, block_k, *splits, num_warps=4, num_stages=stages, preload=_preload(splits[1]))
 
 
