@@ -54,7 +54,8 @@ run the same kernels:
 # experts, 2.4 GB); a block holds 1.0-1.4 real pairs on average at M <= 32, so the MMA rows are mostly
 # padding and cost nothing that matters. The blocks aim at many weight bytes in flight with enough
 # programs at M=1: gate/up tiles of 32 x 128 (2 x 8 KB a stage, 4 stages; 10 x 20 = 200 programs at
-# M=1), down tiles of 64 x 128 (16 KB a stage; 10 x 40 = 400 programs at M=1).
+# M=1), down tiles of 64 x 128 (16 KB a stage; 10 x 40 = 400 programs at M=1). FP8 weights at one row
+# run 8 stages (`decode_stages`).
 # benchmarks/bench_moe_grouped_decode.py compares decode with routed_experts and sweeps the blocks.
 # NOTE: the roundings follow the reference: gate and up rounded to the model dtype (as F.linear's
 # output is), silu and the product rounded to it, y rounded to it, y * w rounded to it, then
@@ -76,6 +77,23 @@ from .moe_decode import expert_shapes
 from .moe_plan import BLOCK_M, plan
 
 _GRID_Y_MAX = 65535  # a CUDA grid's second axis
+STAGES = 4  # the pipeline depth of the 16-bit kernels, and of FP8 ones past FP8_DEEP_ROWS decode rows
+# NOTE: the depth sets when weight tiles are fetched, never the order they are added, so a row's bits do
+# not depend on it and it may follow M. An FP8 stage carries half a 16-bit stage's weight bytes; at one
+# row (11 blocks: 220 gate/up and 440 down programs) 8 stages cut the FP8 graph replay from 1.46 to 1.34 ms
+# at 8 layers and from 7.03 to 6.27 ms at 48; at 2 rows they were even, at 8 rows (fewer programs fit an
+# SM) 14% slower. 16-bit weights at 6 or 8 stages gained nothing (BENCHMARKS.md, session 24).
+FP8_DEEP_STAGES = 8
+FP8_DEEP_ROWS = 1
+# NOTE: Triton holds (num_stages - 1) tiles of A and B in shared memory; float32 tiles of the wide prefill
+# blocks (128 x 64 and 64 x 256) at 4 stages asked for 288 KB, past an H200 SM's 227 KB, so the depth is
+# capped where a stage is that big. No 16-bit or FP8 configuration is capped.
+TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may hold
+
+
+def _fit(stages: int, stage_bytes: int) -> int:
+    """`stages`, or fewer (at least 2) where its tiles would pass TILE_BUDGET."""
+    return max(2, min(stages, 1 + TILE_BUDGET // stage_bytes))
 
 
 @triton.jit
@@ -271,6 +289,12 @@ def _fp8_args(w, shared_w, name: str, shared_name: str, block_k: int, split_rows
     return w.q.contiguous(), shared_w.q, keys
 
 
+def decode_stages(rows: int, fp8: bool) -> int:
+    """The decode kernels' pipeline depth for `rows` rows: FP8_DEEP_STAGES for FP8 weights at up to
+    FP8_DEEP_ROWS rows, else STAGES."""
+    return FP8_DEEP_STAGES if fp8 and rows <= FP8_DEEP_ROWS else STAGES
+
+
 def grouped_decode_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -284,8 +308,8 @@ def grouped_decode_experts(
     block_k_down: int = 128,
     warps: int = 4,
     warps_down: int = 4,
-    stages: int = 4,
-    stages_down: int = 4,
+    stages: int | None = None,
+    stages_down: int | None = None,
     block_h_combine: int = 256,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -298,9 +322,10 @@ def grouped_decode_experts(
     are part of the numerics: a row's bits are fixed for given blocks, whatever M and the other rows;
     they are never chosen from M or the routing. A repeated id in a row is still summed, in slot order,
     as the reference does."""
+    depth = decode_stages(x.shape[0], isinstance(gate_up, Fp8Weight))
     return _grouped(
         x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
-        warps, warps_down, stages, stages_down, block_h_combine, sort=False, shared=shared,
+        warps, warps_down, stages or depth, stages_down or depth, block_h_combine, sort=False, shared=shared,
     )  # fmt: skip
 
 
@@ -317,8 +342,8 @@ def grouped_experts(
     block_k_down: int = 64,
     warps: int | None = None,
     warps_down: int | None = None,
-    stages: int = 4,
-    stages_down: int = 4,
+    stages: int = STAGES,
+    stages_down: int = STAGES,
     block_h_combine: int = 512,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     n_fast: bool = True,
@@ -358,6 +383,9 @@ def _grouped(
     gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
     down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
+    a_bytes = block_m * x.element_size()  # an A tile's bytes per K column
+    stages = _fit(stages, block_k * (a_bytes + 2 * block_n * gate_up.element_size()))
+    stages_down = _fit(stages_down, block_k_down * (a_bytes + block_n_down * down.element_size()))
     if shared is not None:  # NOTE: its rows are read with the routed experts' row strides
         assert sgu.shape == gate_up.shape[1:] and sdown.shape == down.shape[1:], (sgu.shape, sdown.shape)
         assert sgu.stride() == gate_up.stride()[1:] and sdown.stride() == down.stride()[1:], "strides"
