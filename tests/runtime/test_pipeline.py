@@ -16,6 +16,8 @@ from nextserve.runtime.pipeline import stage_layers
 from nextserve.runtime.stage_transport import NcclTransport
 from nextserve.runtime.stage_worker import TRACE_ENV
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # stage processes share 2 cores
+
 FLAGS = dict(device="cpu", prefill_chunk=16, page_size=16, kv_capacity=4096, max_concurrency=3)
 PARAMS = [
     SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),

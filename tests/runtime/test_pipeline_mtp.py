@@ -12,6 +12,8 @@ from nextserve import LLM, SamplingParams
 from nextserve.config import DEFAULT_MODEL, ConfigError, EngineConfig
 from nextserve.runtime.pipeline import StageNeeds, stage_layers
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # stage processes share 2 cores
+
 FLAGS = dict(
     device="cpu", dtype="float32", prefill_chunk=32, page_size=16, kv_capacity=4096, max_concurrency=3
 )

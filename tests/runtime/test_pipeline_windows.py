@@ -20,6 +20,8 @@ from nextserve.runtime.pipeline_windows import commit_location, mtp_tokens, pair
 from nextserve.runtime.windows import sample_window
 from nextserve.step_plan import Chunk
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # stage processes share 2 cores
+
 FLAGS = dict(
     device="cpu", dtype="float32", prefill_chunk=32, page_size=16, kv_capacity=4096, max_concurrency=3
 )
