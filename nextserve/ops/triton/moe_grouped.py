@@ -320,8 +320,9 @@ def grouped_decode_experts(
 
     Row-invariant and free of host reads (CUDA-graph capturable), as `routed_experts`. The block sizes
     are part of the numerics: a row's bits are fixed for given blocks, whatever M and the other rows;
-    they are never chosen from M or the routing. A repeated id in a row is still summed, in slot order,
-    as the reference does."""
+    they are never chosen from M or the routing. The pipeline depth (stages, stages_down; None:
+    `decode_stages`) follows M, and changes no bits. A repeated id in a row is still summed, in slot
+    order, as the reference does."""
     depth = decode_stages(x.shape[0], isinstance(gate_up, Fp8Weight))
     return _grouped(
         x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
