@@ -135,6 +135,17 @@ def test_no_rows() -> None:
     assert grouped_decode_experts(x[:0], w[:0], ids[:0], gu, dn).shape == (0, 64)
 
 
+def test_depth_fits_the_k_loop_and_shared_memory() -> None:
+    """The pipeline depth never passes the K loop's tile count (the FP8 decode down projection: I = 640
+    in 5 tiles of 128 at 8 asked stages) nor the tile budget, and is at least 2."""
+    fp8_down = 128 * (16 * 2 + 64 * 1)  # a [16 x 128] bf16 A tile and a [128 x 64] FP8 weight tile
+    assert mgd._fit(8, fp8_down, k_tiles=5) == 5
+    assert mgd._fit(8, fp8_down, k_tiles=20) == 8
+    assert mgd._fit(4, fp8_down, k_tiles=5) == 4
+    assert mgd._fit(4, 128 * 64 * 4 + 64 * 256 * 4, k_tiles=40) == 2  # float32 128-row prefill blocks
+    assert mgd._fit(8, fp8_down, k_tiles=1) == 2
+
+
 # ---- row invariance in the interpreter -------------------------------------------------------------
 @small
 @pytest.mark.usefixtures("row_independent_dot")

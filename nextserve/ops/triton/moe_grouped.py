@@ -87,13 +87,17 @@ FP8_DEEP_STAGES = 8
 FP8_DEEP_ROWS = 1
 # NOTE: Triton holds (num_stages - 1) tiles of A and B in shared memory; float32 tiles of the wide prefill
 # blocks (128 x 64 and 64 x 256) at 4 stages asked for 288 KB, past an H200 SM's 227 KB, so the depth is
-# capped where a stage is that big. No 16-bit or FP8 configuration is capped.
+# capped where a stage is that big (no 16-bit or FP8 configuration is). It is also capped at the K loop's
+# tile count: the FP8 decode `_down` (I = 640: 5 tiles) ran 8 stages, whose unfilled buffers kept programs
+# off the SMs; at 5 its eager time at one row fell from 0.100 to 0.084 ms over 8 layers (BENCHMARKS.md,
+# session 25).
 TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may hold
 
 
-def _fit(stages: int, stage_bytes: int) -> int:
-    """`stages`, or fewer (at least 2) where its tiles would pass TILE_BUDGET."""
-    return max(2, min(stages, 1 + TILE_BUDGET // stage_bytes))
+def _fit(stages: int, stage_bytes: int, k_tiles: int) -> int:
+    """`stages`, or fewer (at least 2) where its tiles would pass TILE_BUDGET or outnumber the K loop's
+    k_tiles (buffers no tile fills only keep programs off an SM)."""
+    return max(2, min(stages, k_tiles, 1 + TILE_BUDGET // stage_bytes))
 
 
 @triton.jit
@@ -385,8 +389,10 @@ def _grouped(
     down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
     a_bytes = block_m * x.element_size()  # an A tile's bytes per K column
-    stages = _fit(stages, block_k * (a_bytes + 2 * block_n * gate_up.element_size()))
-    stages_down = _fit(stages_down, block_k_down * (a_bytes + block_n_down * down.element_size()))
+    gu_stage = block_k * (a_bytes + 2 * block_n * gate_up.element_size())
+    down_stage = block_k_down * (a_bytes + block_n_down * down.element_size())
+    stages = _fit(stages, gu_stage, triton.cdiv(H, block_k))
+    stages_down = _fit(stages_down, down_stage, triton.cdiv(I, block_k_down))
     if shared is not None:  # NOTE: its rows are read with the routed experts' row strides
         assert sgu.shape == gate_up.shape[1:] and sdown.shape == down.shape[1:], (sgu.shape, sdown.shape)
         assert sgu.stride() == gate_up.stride()[1:] and sdown.stride() == down.stride()[1:], "strides"
