@@ -27,6 +27,7 @@ from .common import unit_stride
 
 BLOCK_T = 16
 BLOCK_C = 256
+NUM_WARPS = 4
 
 
 # NOTE: T is not specialised (one binary for every chunk length); the row strides are, so that a row's
@@ -101,7 +102,7 @@ def triton_conv_chunk(
             x, history, weight, out, T, C, history.shape[1], P1, P2,
             x.stride(0), history.stride(0), history.stride(1), weight.stride(0), weight.stride(1),
             out.stride(0), K=K, DIL=dilation, SILU=silu, PARTS=parts is not None,
-            BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=4,
+            BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS,
         )  # fmt: skip
     if parts is None:
         return out
