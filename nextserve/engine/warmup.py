@@ -11,9 +11,12 @@ prefill chunk was the first whose length was not a multiple of 16).
 # with prefix reuse on, resumed from an image; each decodes two tokens. The routed experts' prefill
 # kernel also takes a BLOCK_M from the chunk's length (ops/moe.py default_block_m: at Flash-Next's
 # widths 16 up to 409 tokens, 32 up to 1,228, 64, and 128 from 3,277), so each class of
-# lengths it meets below the chunk gets its two kinds too (`tail_lengths`). With --prefill-batch-chunks,
-# two one-chunk prompts run together once (a forward of several chunks: the grouped experts over more rows;
-# no kernel takes their row count as a specialised argument, but the path runs before serving all the same).
+# lengths it meets below the chunk gets its two kinds too (`tail_lengths`), as does each class of fla's
+# autotuned L2 norm (ops/gdn.py fla_tune_class: each 4,096 tokens past the first at 16 key heads; the
+# likely cause of a first 8,192-token prompt at --prefill-chunk 16384 running at 1,446 tok/s on an H100
+# after a warm-up without it, BENCHMARKS.md session 28). With --prefill-batch-chunks, two one-chunk
+# prompts run together once (a forward of several chunks: the grouped experts over more rows; no kernel
+# takes their row count as a specialised argument, but the path runs before serving all the same).
 # Then it drops its images and counters: the engine starts as if nothing ran.
 """
 
@@ -25,8 +28,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..model.gated_deltanet import GatedDeltaNet
 from ..model.moe import SparseMoe
-from ..ops.gdn import FLA_MIN_TOKENS
+from ..ops.gdn import FLA_MIN_TOKENS, fla_tune_class
 from ..ops.moe import default_block_m
 from .sampling import SamplingParams
 
@@ -43,18 +47,25 @@ def use_compile_cache(path: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(Path(path).resolve())
 
 
-def tail_lengths(chunk: int, block_m_of: Callable[[int], int] | None = None) -> list[int]:
+def tail_lengths(
+    chunk: int, block_m_of: Callable[[int], int] | None = None, gdn_key_heads: int = 0
+) -> list[int]:
     """The warm-up's chunk lengths below `chunk`: TAILS, then for each class of lengths that compiles
-    another binary (the routed experts' BLOCK_M, `block_m_of(n)`; on which side of FLA_MIN_TOKENS; a
-    multiple of 16 or not) that TAILS miss, its shortest length."""
+    another binary (the routed experts' BLOCK_M, `block_m_of(n)`; on which side of FLA_MIN_TOKENS and
+    fla's autotune class at `gdn_key_heads`, `fla_tune_class`; a multiple of 16 or not) that TAILS miss,
+    its shortest length."""
     tails = [n for n in TAILS if n < chunk]
-    if block_m_of is None:
+    if block_m_of is None and not gdn_key_heads:
         return tails
-    covered = {(block_m_of(n), n >= FLA_MIN_TOKENS, n % 16 == 0) for n in tails if n > 1}
+
+    def kind(n: int) -> tuple:
+        block_m = block_m_of(n) if block_m_of is not None else 0
+        return block_m, n >= FLA_MIN_TOKENS, fla_tune_class(n, gdn_key_heads), n % 16 == 0
+
+    covered = {kind(n) for n in tails if n > 1}
     for n in range(2, chunk):
-        kind = (block_m_of(n), n >= FLA_MIN_TOKENS, n % 16 == 0)
-        if kind not in covered:
-            covered.add(kind)
+        if kind(n) not in covered:
+            covered.add(kind(n))
             tails.append(n)
     return sorted(tails)
 
@@ -68,11 +79,17 @@ def moe_block_m(model) -> Callable[[int], int] | None:
     return lambda n: default_block_m(n * moe.top_k, E)
 
 
+def gdn_key_heads(model) -> int:
+    """The key heads of `model`'s GDN layers (0 without them): fla's autotune classes depend on them."""
+    gdn = next((m for m in model.modules() if isinstance(m, GatedDeltaNet)), None)
+    return 0 if gdn is None else gdn.hk
+
+
 def warm_up(engine) -> float:
     """Run the warm-up requests on `engine` (an LLMEngine); returns the seconds it took."""
     t0 = time.perf_counter()
     chunk = min(engine.config.prefill_chunk, max(1, engine.max_context - 32 - 4))
-    tails = tail_lengths(chunk, moe_block_m(engine.model))
+    tails = tail_lengths(chunk, moe_block_m(engine.model), gdn_key_heads(engine.model))
     tails = [n for n in tails if chunk + n + 4 <= engine.max_context] or [1]
     vocab = engine.model_config.vocab_size
     base = [10 + (i * 7919) % max(1, vocab - 10) for i in range(chunk)]

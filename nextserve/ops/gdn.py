@@ -50,6 +50,16 @@ def gated_delta_rule(
 # BENCHMARKS.md session 12): fla from 2,048 on.
 FLA_MIN_TOKENS = 2048
 
+# NOTE: fla's L2 norm of q and k (inside its chunked call) is autotuned per NB = cdiv(rows, 2048 * 32) of
+# its [tokens * key heads, dk] input (fla/modules/norm/l2norm.py, fla-core 0.6), and NB is a constexpr: at
+# 16 key heads each 4,096 tokens of chunk length are another class, tuned and compiled at its first call
+FLA_L2NORM_ROWS = 2048 * 32
+
+
+def fla_tune_class(tokens: int, key_heads: int) -> int:
+    """The class of fla's autotuned kernels that a GDN chunk of `tokens` meets (0: fla does not run it)."""
+    return 0 if tokens < FLA_MIN_TOKENS else -(-tokens * key_heads // FLA_L2NORM_ROWS)
+
 
 @functools.cache
 def _fla_chunk():

@@ -10,7 +10,7 @@ import pytest
 
 from nextserve import SamplingParams
 from nextserve.engine.warmup import TAILS, moe_block_m, tail_lengths, warm_up
-from nextserve.ops.gdn import FLA_MIN_TOKENS
+from nextserve.ops.gdn import FLA_MIN_TOKENS, fla_tune_class
 from nextserve.ops.moe import default_block_m
 
 
@@ -55,6 +55,20 @@ def test_every_block_m_class_below_the_chunk_is_warmed() -> None:
     assert set(TAILS) <= set(tails) and 1 in tails and max(tails) < 4096
     assert {block_m(n) for n in tails} == {16, 32, 64, 128}
     assert tail_lengths(4096) == list(TAILS)  # no MoE layers: the fixed lengths
+
+
+def test_every_fla_tune_class_below_a_long_chunk_is_warmed() -> None:
+    """fla's L2 norm is autotuned per cdiv(tokens * key heads, 65,536): at Flash-Next's widths and
+    --prefill-chunk 16384 an 8,192-token chunk is a class neither the chunk nor TAILS meets (it stalled a
+    first 8K prompt on an H100); the 4,096-token default has one class below the chunk, as before."""
+    block_m = lambda n: default_block_m(n * 10, 512)  # noqa: E731
+    classes = lambda ns: {fla_tune_class(n, 16) for n in ns}  # noqa: E731
+    tails = tail_lengths(16384, block_m, gdn_key_heads=16)
+    assert classes(range(2, 16384)) == classes(tails) == {0, 1, 2, 3, 4}
+    assert max(tails) < 16384 and set(TAILS) <= set(tails)
+    assert fla_tune_class(8192, 16) not in classes([16384, *TAILS])  # what the warm-up ran before
+    assert tail_lengths(4096, block_m, gdn_key_heads=16) == tail_lengths(4096, block_m)
+    assert tail_lengths(4096, gdn_key_heads=16) == list(TAILS)
 
 
 def test_the_warm_up_reads_the_models_experts(oracle_llm) -> None:
