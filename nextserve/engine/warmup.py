@@ -13,8 +13,8 @@ prefill chunk was the first whose length was not a multiple of 16).
 # widths 16 up to 409 tokens, 32 up to 1,228, 64, and 128 from 3,277), so each class of
 # lengths it meets below the chunk gets its two kinds too (`tail_lengths`), as does each class of fla's
 # autotuned L2 norm (ops/gdn.py fla_tune_class: each 4,096 tokens past the first at 16 key heads; the
-# likely cause of a first 8,192-token prompt at --prefill-chunk 16384 running at 1,446 tok/s on an H100
-# after a warm-up without it, BENCHMARKS.md session 28). With --prefill-batch-chunks, two one-chunk
+# warm-up without it left a first 8,192-token prompt at --prefill-chunk 16384 to tune it, at 1,446 tok/s
+# on an H100, BENCHMARKS.md session 28). With --prefill-batch-chunks, two one-chunk
 # prompts run together once (a forward of several chunks: the grouped experts over more rows; no kernel
 # takes their row count as a specialised argument, but the path runs before serving all the same).
 # Then it drops its images and counters: the engine starts as if nothing ran.

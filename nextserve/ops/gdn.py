@@ -57,7 +57,7 @@ FLA_L2NORM_ROWS = 2048 * 32
 
 
 def fla_tune_class(tokens: int, key_heads: int) -> int:
-    """The class of fla's autotuned kernels that a GDN chunk of `tokens` meets (0: fla does not run it)."""
+    """The autotune class of fla's L2 norm that a GDN chunk of `tokens` meets (0: fla does not run it)."""
     return 0 if tokens < FLA_MIN_TOKENS else -(-tokens * key_heads // FLA_L2NORM_ROWS)
 
 

@@ -86,7 +86,8 @@ def test_no_compile_after_the_warm_up_at_any_experts_block(tmp_path, quantizatio
 def test_no_compile_after_the_warm_up_at_any_fla_tune_class(tmp_path) -> None:
     """fla's L2 norm (in its chunked GDN call) is autotuned per cdiv(tokens * key heads, 65,536). At 32 key
     heads every 2,048 tokens is another class: a chunk of 8,192 meets classes 1-4, and chunks of 2,048, 4,500
-    and 5,000 tokens (classes 1, 3, 3) compile and tune nothing after the warm-up, cold or resumed."""
+    and 4,608 tokens (classes 1, 3, 3; 4,500 not a multiple of 16) compile and tune nothing after the
+    warm-up, cold or resumed. 9067f4a's warm-up failed it (26 L2-norm binaries after it, H100)."""
     from nextserve.model.make_model import make_model
 
     overrides = {"hidden_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
@@ -99,7 +100,7 @@ def test_no_compile_after_the_warm_up_at_any_fla_tune_class(tmp_path) -> None:
     g = torch.Generator().manual_seed(5)
     base = torch.randint(8, 2000, (8192,), generator=g).tolist()
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for n in (2048, 4500, 5000):
+    for n in (2048, 4500, 4608):
         llm.generate([base[:n]], params)  # cold, one chunk of n tokens
         llm.generate([base + base[:n]], params)  # a full chunk (resumed after the first), then n
     new = {k: c - before.get(k, 0) for k, c in compiled_kernels().items() if c != before.get(k, 0)}
