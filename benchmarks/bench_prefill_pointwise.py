@@ -86,7 +86,12 @@ def cases(T: int) -> dict:
 
 # module -> constants to vary, each a list of values (the first is the module's own)
 SWEEP = {
-    "nextserve.ops.triton.conv_chunk": {"BLOCK_T": [16, 32, 64, 8], "NUM_WARPS": [4, 8, 2]},
+    "nextserve.ops.triton.conv_chunk": {
+        "ROWS": [32, 16, 64, 0],
+        "ROWS_BLOCK_C": [512, 1024, 256],
+        "ROWS_WARPS": [4, 8, 2],
+        "BLOCK_T": [16, 32, 8],
+    },
     "nextserve.ops.triton.gates": {"BLOCK": [1024, 2048, 4096, 512], "NUM_WARPS": [4, 8]},
     "nextserve.ops.triton.hyper": {"BLOCK": [1024, 2048, 512], "NUM_WARPS": [4, 8]},
     "nextserve.ops.triton.norms": {"TILE": [1024, 4096, 8192]},

@@ -98,3 +98,34 @@ def test_conv_chunk_parts_are_the_outputs_columns(T: int, monkeypatch) -> None:
 def test_cuda_conv_chunk_parts_gdn_size(T: int) -> None:
     x, hist, w = _inputs(T, 10240, 4, 1, torch.bfloat16, device="cuda", seed=6)
     _parts_equal_plain(x, hist, w, (2048, 2048, 6144))
+
+
+def _both_forms(monkeypatch, x, hist, w, parts):
+    """The kernel's output with the row walk (`_conv_rows`) and with the row tiles (`_conv_chunk`)."""
+    import nextserve.ops.triton.conv_chunk as kernel
+
+    walked = triton_conv_chunk(x, hist, w, 1, True, parts)
+    monkeypatch.setattr(kernel, "ROWS", 0)
+    tiled = triton_conv_chunk(x, hist, w, 1, True, parts)
+    return walked, tiled
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 36, 70])
+@pytest.mark.parametrize("parts", [None, (64, 64, 172)])
+def test_conv_rows_walk_gives_the_tiles_bits(T: int, parts, monkeypatch) -> None:
+    """The GDN's conv (K = 4, dilation 1) walks rows; each output has the row tiles' bits, whatever the
+    chunk length (row blocks of 32: 36 and 70 end inside one, 1 and 2 reach back into the history)."""
+    x, hist, w = _inputs(T, 300, 4, 1, torch.bfloat16, seed=11 + T)
+    walked, tiled = _both_forms(monkeypatch, x, hist, w, parts)
+    if parts is None:
+        walked, tiled = [walked], [tiled]
+    assert all(torch.equal(a, b) for a, b in zip(walked, tiled, strict=True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 3, 4096, 4100])
+def test_cuda_conv_rows_walk_gives_the_tiles_bits(T: int, monkeypatch) -> None:
+    x, hist, w = _inputs(T, 10240, 4, 1, torch.bfloat16, device="cuda", seed=8)
+    walked, tiled = _both_forms(monkeypatch, x, hist, w, (2048, 2048, 6144))
+    assert all(torch.equal(a, b) for a, b in zip(walked, tiled, strict=True))
