@@ -13,13 +13,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nextserve.bench.model import bench_config, engine_for_model, random_flash_next  # noqa: E402
+from bench_prefill_constant import ttft_by_value  # noqa: E402
+
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
-from nextserve.bench.timing import ttft_by_mode  # noqa: E402
 from nextserve.ops import gdn  # noqa: E402
 
 
@@ -30,15 +29,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     assert gdn._fla_chunk() is not None, "flash-linear-attention is not installed"
-    cfg, _ = bench_config("flash-next", 8, None)
-    model = random_flash_next(cfg, "cuda", torch.bfloat16, seed=0)
-    engine = engine_for_model(
-        model, torch.device("cuda"), torch.bfloat16, max_context=max(args.lengths) + 64, prefix_cache=False
-    )
-    modes = {
-        f"fla_min_tokens={th}": lambda th=th: setattr(gdn, "FLA_MIN_TOKENS", th) for th in args.thresholds
-    }
-    rows = ttft_by_mode(engine, modes, args.lengths, args.rounds, seed=7)
+    label = "fla_min_tokens"
+    rows = ttft_by_value(gdn, "FLA_MIN_TOKENS", args.thresholds, args.lengths, args.rounds, label=label)
     out = {"benchmark": "fla_threshold", "git": git_info(None), "hardware": hardware("cuda"),
            "rounds": args.rounds, "rows": rows}  # fmt: skip
     print(json.dumps(out, indent=1))

@@ -28,6 +28,19 @@ from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.bench.timing import ttft_by_mode  # noqa: E402
 
 
+def ttft_by_value(
+    module, name: str, values: list, lengths: list[int], rounds: int, layers: int = 8, label: str = ""
+) -> list[dict]:
+    """ttft_by_mode's rows with module.<name> set to each value in turn (modes named "<label>=<value>")."""
+    cfg, _ = bench_config("flash-next", layers, None)
+    model = random_flash_next(cfg, "cuda", torch.bfloat16, seed=0)
+    engine = engine_for_model(
+        model, torch.device("cuda"), torch.bfloat16, max_context=max(lengths) + 64, prefix_cache=False
+    )
+    modes = {f"{label or name}={v!r}": lambda v=v: setattr(module, name, v) for v in values}
+    return ttft_by_mode(engine, modes, lengths, rounds, seed=7)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--constant", required=True, help="module:NAME")
@@ -40,13 +53,7 @@ def main() -> None:
     mod = importlib.import_module(mod_name)
     assert hasattr(mod, name), f"{mod_name} has no {name}"
     values = [ast.literal_eval(v) for v in args.values]
-    cfg, _ = bench_config("flash-next", args.layers, None)
-    model = random_flash_next(cfg, "cuda", torch.bfloat16, seed=0)
-    engine = engine_for_model(
-        model, torch.device("cuda"), torch.bfloat16, max_context=max(args.lengths) + 64, prefix_cache=False
-    )
-    modes = {f"{name}={v!r}": lambda v=v: setattr(mod, name, v) for v in values}
-    rows = ttft_by_mode(engine, modes, args.lengths, args.rounds, seed=7)
+    rows = ttft_by_value(mod, name, values, args.lengths, args.rounds, args.layers)
     out = {"benchmark": "prefill_constant", "constant": args.constant, "git": git_info(None)}
     out |= {"hardware": hardware("cuda"), "layers": args.layers, "rounds": args.rounds, "rows": rows}
     print(json.dumps(out, indent=1))
