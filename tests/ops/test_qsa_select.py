@@ -10,7 +10,8 @@ import torch
 from triton_interp import DEV, needs_cuda, small
 
 from nextserve.ops.attention import _select_decode_tokens_reference, select_decode_tokens
-from nextserve.ops.triton.qsa_select import triton_select_decode_tokens
+from nextserve.ops.triton import qsa_select
+from nextserve.ops.triton.qsa_select import SelectTiles, triton_select_decode_tokens
 
 gpu = pytest.mark.gpu
 C, TOPK = 4, 512  # the real compress ratio and block_topk
@@ -35,9 +36,9 @@ def make_rows(
     return scores, nb, nb * C + tail
 
 
-def check(scores, nb, pos, c: int, topk: int, **tiles) -> torch.Tensor:
+def check(scores, nb, pos, c: int, topk: int, tiles: SelectTiles | None = None) -> torch.Tensor:
     want = _select_decode_tokens_reference(scores, nb, pos, c, topk)
-    got = triton_select_decode_tokens(scores.to(DEV), nb.to(DEV), pos.to(DEV), c, topk, **tiles).cpu()
+    got = triton_select_decode_tokens(scores.to(DEV), nb.to(DEV), pos.to(DEV), c, topk, tiles).cpu()
     assert got.shape == want.shape and got.dtype == torch.int32
     for b in range(want.shape[0]):
         assert torch.equal(got[b], want[b]), (b, int(nb[b]), int(pos[b]), got[b], want[b])
@@ -46,7 +47,7 @@ def check(scores, nb, pos, c: int, topk: int, **tiles) -> torch.Tensor:
 
 # tiles far below the defaults: rows of a few blocks cross large and small tiles' edges, and the
 # radix's last digit overlaps bits fixed before it (7 bits: 5 passes, the last one 4 bits wide)
-TINY_TILES = dict(radix_bits=7, tile_r=16, tile_s=8, tile_small=4, num_warps=1)
+TINY_TILES = SelectTiles(radix_bits=7, tile_r=16, tile_s=8, tile_small=4, num_warps=1)
 
 
 @small
@@ -62,7 +63,7 @@ def test_tiny_widths_ties_and_tails(topk: int) -> None:
         for i, (levels, relu) in enumerate([(None, False), (1, True), (2, False)]):
             tails = [-2, 0, 1, 3, 4, 9] if i == 2 else None  # arbitrary tails: clamped to 0..c tokens
             rows = make_rows(n_blocks, M, seed=M * 10 + i, levels=levels, relu=relu, tails=tails)
-            check(*rows, C, topk, **(TINY_TILES if (M + i) % 2 else {}))
+            check(*rows, C, topk, TINY_TILES if (M + i) % 2 else None)
 
 
 @small
@@ -101,8 +102,11 @@ def test_real_sizes(M: int) -> None:
 
 
 @small
-def test_rows_are_invariant() -> None:
-    """A row's tokens are the same alone as in a batch of other rows (C1)."""
+@pytest.mark.parametrize("prefill_rows", [qsa_select.PREFILL_ROWS, 4])
+def test_rows_are_invariant(prefill_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's tokens are the same alone as in a batch of other rows (C1), also where the batch's row count
+    picks the prefill configuration and a row alone the decode one (prefill_rows 4)."""
+    monkeypatch.setattr(qsa_select, "PREFILL_ROWS", prefill_rows)
     n_blocks = [0, 1, 7, 40, 600, 513, 2047, 100]
     scores, nb, pos = make_rows(n_blocks, 2048, seed=5, levels=4, relu=True)
     args = (scores.to(DEV), nb.to(DEV), pos.to(DEV))
@@ -111,6 +115,36 @@ def test_rows_are_invariant() -> None:
         alone = triton_select_decode_tokens(*(t[b : b + 1] for t in args), C, TOPK)
         assert torch.equal(alone[0], full[b]), b
     assert torch.equal(triton_select_decode_tokens(*(t[2:6] for t in args), C, TOPK), full[2:6])
+
+
+@small
+def test_prefill_configuration_against_the_reference() -> None:
+    """PREFILL_TILES (a row count at and past PREFILL_ROWS picks it, one below does not) gives the reference's
+    tokens: rows across its small tiles' edges and its write tile, ties, exact zeros."""
+    assert qsa_select.select_tiles(qsa_select.PREFILL_ROWS - 1) == qsa_select.DECODE_TILES
+    assert qsa_select.select_tiles(qsa_select.PREFILL_ROWS) == qsa_select.PREFILL_TILES
+    assert qsa_select.select_tiles(qsa_select.PREFILL_ROWS + 1) == qsa_select.PREFILL_TILES
+    n_blocks = [0, 511, 512, 513, 1023, 1024, 1025, 1537, 2048]
+    for seed, (levels, relu) in enumerate([(None, False), (2, True)]):
+        rows = make_rows(n_blocks, 2048, seed=seed, levels=levels, relu=relu)
+        check(*rows, C, TOPK, qsa_select.PREFILL_TILES)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(radix_bits=0),
+        dict(radix_bits=17),
+        dict(tile_r=0),
+        dict(tile_r=3000),
+        dict(tile_s=2**15),
+        dict(tile_small=2**15),
+        dict(num_warps=6),
+    ],
+)
+def test_select_tiles_refuses_bad_values(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SelectTiles(**bad)
 
 
 def test_cpu_path_is_the_reference() -> None:
@@ -132,6 +166,11 @@ def test_cuda_real_sizes(M: int) -> None:
         want = _select_decode_tokens_reference(scores, nb, pos, C, TOPK)
         got = select_decode_tokens(scores.cuda(), nb.cuda(), pos.cuda(), C, TOPK)
         assert torch.equal(got.cpu(), want), seed
+    # a prefill chunk's row count (the prefill configuration): rows of every n_blocks up to M
+    chunk = torch.linspace(0, M, qsa_select.PREFILL_ROWS).long().tolist()
+    scores, nb, pos = make_rows(chunk, M, seed=4, levels=1000, relu=True)
+    got = select_decode_tokens(scores.cuda(), nb.cuda(), pos.cuda(), C, TOPK)
+    assert torch.equal(got.cpu(), _select_decode_tokens_reference(scores, nb, pos, C, TOPK))
     static = [t.cuda() for t in make_rows(n_blocks, M, seed=10)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -141,3 +180,25 @@ def test_cuda_real_sizes(M: int) -> None:
         s.copy_(t)
     graph.replay()
     assert torch.equal(out.cpu(), _select_decode_tokens_reference(scores, nb, pos, C, TOPK))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [8, qsa_select.PREFILL_ROWS])
+def test_cuda_one_binary_at_any_positions_offset(rows: int) -> None:
+    """positions and n_blocks as views at an odd int64 offset (a chunk after an odd-length chunk in one
+    forward: 8 bytes off a 16-byte boundary) give the same tokens and run the binary compiled for aligned
+    ones: nothing compiles at first use (either configuration)."""
+    kernel = qsa_select._select_kernel
+
+    def binaries() -> int:
+        return sum(len(c[0]) for c in kernel.device_caches.values())
+
+    n_blocks = torch.linspace(0, 4096, rows).long().tolist()
+    scores, nb, pos = (t.cuda() for t in make_rows(n_blocks, 4096, seed=6, levels=1000, relu=True))
+    want = select_decode_tokens(scores, nb, pos, C, TOPK)
+    before = binaries()
+    nb_off, pos_off = torch.cat([nb[:1], nb])[1:], torch.cat([pos[:1], pos])[1:]
+    assert nb_off.data_ptr() % 16 == 8 and pos_off.data_ptr() % 16 == 8
+    assert torch.equal(select_decode_tokens(scores, nb_off, pos_off, C, TOPK), want)
+    assert binaries() == before

@@ -17,6 +17,8 @@ stable descending sort's rule (ties to the lower block). Then the open tail and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -79,7 +81,10 @@ def _write_chosen(
     return n_gt, n_band
 
 
-@triton.jit
+# NOTE: a prefill chunk's positions are a view into its forward's (at the chunk's row offset, which an odd
+# chunk length before it leaves 8 bytes off a 16-byte boundary): their alignment is not specialised, so one
+# binary serves every offset and none compiles at first use after the warm-up (the loads are scalars).
+@triton.jit(do_not_specialize_on_alignment=["nb_ptr", "pos_ptr"])
 def _select_kernel(
     s_ptr, nb_ptr, pos_ptr, out_ptr, M, k, L, stride_sb, stride_ob,
     C: tl.constexpr, BLOCK_C: tl.constexpr, RADIX_BITS: tl.constexpr,
@@ -144,34 +149,70 @@ def _select_kernel(
         tl.store(o_row + idx, val.to(tl.int32), mask=(idx >= n_sel) & (idx < L))
 
 
+@dataclass(frozen=True)
+class SelectTiles:
+    """A launch configuration of `_select_kernel`: it changes the speed only, never the result. tile_r: the
+    histogram passes' tile; tile_s / tile_small: the write pass's large and small tiles (tile_small also
+    the passes' small one); 2**radix_bits bins a pass."""
+
+    radix_bits: int = 5
+    tile_r: int = 8192
+    tile_s: int = 4096
+    tile_small: int = 1024
+    num_warps: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.radix_bits <= 16:
+            raise ValueError(f"radix_bits {self.radix_bits} outside 1..16")
+        for name in ("tile_r", "tile_s", "tile_small", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} {v} is not a power of two")
+        if max(self.tile_s, self.tile_small) >= 2**15:
+            raise ValueError("the write pass's tiles must stay below 2**15 (its packed counts are 16 bits)")
+
+
+# NOTE: the configuration may follow the row count B, since the result is exact whatever it is. A decode
+# batch's few rows run one wide program each: 16 warps, the defaults (the fastest measured on an H200 at
+# 300 to 65536 valid blocks; 32 bins is one per lane of a warp). A prefill chunk's thousands of rows fill
+# every SM many times over, where 8 warps and narrower write tiles took a 4,096-row chunk at positions
+# 57,344.. from 1,282 to 872 us and one at 12,288.. from 437 to 248 us on an H100, with the same tokens
+# (benchmarks/bench_qsa_select.py; BENCHMARKS.md, session 30). PREFILL_ROWS: at 16 warps an H100 holds 528
+# programs at once and at 8 warps up to twice that, so below about a thousand rows both run in one wave
+# and the wider program is the one to keep (row counts between 32 and 4,096 were not timed).
+DECODE_TILES = SelectTiles()
+PREFILL_TILES = SelectTiles(tile_s=1024, tile_small=512, num_warps=8)
+PREFILL_ROWS = 1024  # B from which PREFILL_TILES run (read at every call)
+
+
+def select_tiles(rows: int) -> SelectTiles:
+    """The configuration `triton_select_decode_tokens` runs for `rows` rows."""
+    return PREFILL_TILES if rows >= PREFILL_ROWS else DECODE_TILES
+
+
 def triton_select_decode_tokens(
     scores: torch.Tensor,
     n_blocks: torch.Tensor,
     positions: torch.Tensor,
     c: int,
     block_topk: int,
-    radix_bits: int = 5,
-    tile_r: int = 8192,
-    tile_s: int = 4096,
-    tile_small: int = 1024,
-    num_warps: int = 16,
+    tiles: SelectTiles | None = None,
 ) -> torch.Tensor:
     """scores [B, M] (float; -inf from column n_blocks[b] on), n_blocks [B], positions [B] ->
     [B, block_topk * c + c] int32, equal to `select_decode_tokens`'s reference for every input.
-    Grid (B,); the tiles and radix width change the speed only, never the result (defaults: the
-    fastest measured on an H200 at 300 to 65536 valid blocks; 32 bins is one per lane of a warp)."""
+    Grid (B,); `tiles` (default: `select_tiles(B)`) changes the speed only, never the result."""
     B, M = scores.shape
     L = block_topk * c + c
     out = torch.empty((B, L), dtype=torch.int32, device=scores.device)
     if B == 0:
         return out
-    assert max(tile_s, tile_small) < 2**15  # the packed scan's counts fit 16 bits
+    t = tiles or select_tiles(B)
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     _select_kernel[(B,)](
         scores, n_blocks.contiguous(), positions.contiguous(), out, M, min(block_topk, M), L,
         scores.stride(0), out.stride(0),
-        C=c, BLOCK_C=triton.next_power_of_2(c), RADIX_BITS=radix_bits,
-        TILE_R=tile_r, TILE_S=tile_s, TILE_SMALL=tile_small, TILE_L=1024, num_warps=num_warps,
-        **pdl_args(scores),
+        C=c, BLOCK_C=triton.next_power_of_2(c), RADIX_BITS=t.radix_bits,
+        TILE_R=t.tile_r, TILE_S=t.tile_s, TILE_SMALL=t.tile_small, TILE_L=1024,
+        num_warps=t.num_warps, **pdl_args(scores),
     )  # fmt: skip
     return out
