@@ -28,7 +28,8 @@ from bench_small_m_gemm import Timer, _gbps  # noqa: E402
 from nextserve.bench import copy_bandwidth, git_info, hardware  # noqa: E402
 from nextserve.ops.fp8 import Fp8Weight, quantize  # noqa: E402
 from nextserve.ops.triton.common import FP8_BIT_MOVES  # noqa: E402
-from nextserve.ops.triton.gemv import _config, _splits, small_m_linear  # noqa: E402
+from nextserve.ops.triton.gemv import small_m_linear  # noqa: E402
+from nextserve.ops.triton.gemv_config import gemv_config, k_splits  # noqa: E402
 
 # (what, N, K, calls per 8-layer decode step): the projections `--quantization fp8` holds in FP8
 SHAPES = [
@@ -51,13 +52,13 @@ def _sweep(
     timer: Timer, w: Fp8Weight, x: torch.Tensor, widths: list[int], stage_counts: list[int]
 ) -> list[dict]:
     N, K = w.shape
-    rule = _config(N, K, x.dtype, fp8=True)
+    rule = gemv_config(N, K, x.dtype, fp8=True)
     out = []
     for bn in widths:
-        s_rule, _ = _splits(N, K, bn, 128)
+        s_rule, _ = k_splits(N, K, bn, 128)
         k_tiles = triton.cdiv(K, 128)
         for want in sorted({1, s_rule, min(k_tiles, 2 * s_rule), max(1, s_rule // 2)}):
-            s, _ = _splits(N, K, bn, 128, want=want)
+            s, _ = k_splits(N, K, bn, 128, want=want)
             for stages in stage_counts:
                 for warps in (4, 8) if bn >= 64 else (4,):
                     cfg = dict(block_n=bn, block_k=128, splits=want, num_stages=stages, num_warps=warps)
@@ -98,7 +99,7 @@ def main() -> None:
                 "fp8_post_scale": lambda x=x, w=w8: small_m_linear(x, w),
             }
             row = {"shape": what, "N": N, "K": K, "M": M, "calls_per_step": calls,
-                   "fp8_config": _config(N, K, x.dtype, fp8=True)._asdict()}  # fmt: skip
+                   "fp8_config": gemv_config(N, K, x.dtype, fp8=True)._asdict()}  # fmt: skip
             for name, fn in fns.items():
                 us = timer.cold_us(fn)
                 row[f"{name}_us"] = round(us, 2)

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from nextserve.bench import copy_bandwidth, git_info, hardware
-from nextserve.ops.triton.gemv import _config, _splits, small_m_linear
+from nextserve.ops.triton.gemv import small_m_linear
+from nextserve.ops.triton.gemv_config import gemv_config, k_splits
 
 # (what, N, K, calls per decode step); a shape listed twice is measured once
 SHAPES = [  # the decode step's projections as the engine runs them (stacked by fuse_projections)
@@ -158,7 +159,7 @@ def _check(w: torch.Tensor, x: torch.Tensor) -> dict:
 
 def _row(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> dict:
     (N, K), M = w.shape, x.shape[0]
-    cfg = _config(N, K, w.dtype)
+    cfg = gemv_config(N, K, w.dtype)
     row = {"N": N, "K": K, "M": M, "weight_bytes": N * K * w.element_size(),
            "config": cfg._asdict(), "programs": triton.cdiv(M, 16) * triton.cdiv(N, cfg.block_n) * cfg.splits,
            "legacy_programs": triton.cdiv(M, 16) * triton.cdiv(N, 32)}  # fmt: skip
@@ -181,14 +182,14 @@ def _row(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> dict:
 
 def _sweep(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> list[dict]:
     N, K = w.shape
-    auto = _config(N, K, w.dtype)
+    auto = gemv_config(N, K, w.dtype)
     out = []
     timer.rebase()
     for bn, bk in [(16, 256), (32, 128), (32, 64), (64, 64), (64, 128), (128, 64)]:
-        s_auto, _ = _splits(N, K, bn, bk)
+        s_auto, _ = k_splits(N, K, bn, bk)
         k_tiles = triton.cdiv(K, bk)
         for want in sorted({1, s_auto, min(k_tiles, 2 * s_auto), max(1, s_auto // 2)}):
-            s, _ = _splits(N, K, bn, bk, want=want)
+            s, _ = k_splits(N, K, bn, bk, want=want)
             for stages in (3, 4, 5):
                 cfg = dict(block_n=bn, block_k=bk, splits=want, num_stages=stages)
                 us = timer.cold_us(lambda cfg=cfg: small_m_linear(x, w, **cfg))
@@ -200,7 +201,7 @@ def _sweep(timer: Timer, w: torch.Tensor, x: torch.Tensor) -> list[dict]:
 
 
 def _rules(timer: Timer, dev: torch.device, shapes: dict, ms: list[int], rules: list[str]) -> dict:
-    """Each rule "TARGET:MIN_SPLIT" (gemv._config's constants) applied to every shape: the configs it
+    """Each rule "TARGET:MIN_SPLIT" (gemv_config's constants) applied to every shape: the configs it
     picks and the decode-step sum of calls x us at each M (configs shared by rules are timed once)."""
     timed: dict[tuple, float] = {}
     out: dict[str, dict] = {}
@@ -211,7 +212,7 @@ def _rules(timer: Timer, dev: torch.device, shapes: dict, ms: list[int], rules: 
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             for rule in rules:
                 target, min_split = (int(v) for v in rule.split(":"))
-                cfg = _config(N, K, wt.dtype, target, min_split)
+                cfg = gemv_config(N, K, wt.dtype, target, min_split)
                 key = (N, K, M, cfg)
                 if key not in timed:
                     kw = dict(block_n=cfg.block_n, block_k=cfg.block_k, splits=cfg.splits)

@@ -40,10 +40,11 @@ def test_matches_reference_and_rows_are_invariant(dtype: torch.dtype, shape: tup
 @pytest.mark.parametrize("shape", [(4, 10240), (10240, 320)])  # several splits; one
 def test_config_and_cuda_graph(shape: tuple[int, int]) -> None:
     """The split count comes from the weight alone, and a captured call replays to the same bits."""
-    from nextserve.ops.triton.gemv import _config, small_m_linear
+    from nextserve.ops.triton.gemv import small_m_linear
+    from nextserve.ops.triton.gemv_config import gemv_config
 
     N, K = shape
-    assert (_config(N, K, torch.bfloat16).splits > 1) == (N == 4)
+    assert (gemv_config(N, K, torch.bfloat16).splits > 1) == (N == 4)
     w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
     x = torch.randn(8, K, device="cuda").to(torch.bfloat16)
     eager = small_m_linear(x, w)
@@ -67,10 +68,11 @@ def test_one_launch_split_reduction(shape: tuple[int, int]) -> None:
     """The tile's last program adds the K splits: the bits of the two-launch reduction, at every M,
     call after call (the counters reset), and in a graph replayed several times."""
     from nextserve.ops.triton.common import tile_counters
-    from nextserve.ops.triton.gemv import _config, small_m_linear
+    from nextserve.ops.triton.gemv import small_m_linear
+    from nextserve.ops.triton.gemv_config import gemv_config
 
     N, K = shape
-    assert _config(N, K, torch.bfloat16).splits > 1
+    assert gemv_config(N, K, torch.bfloat16).splits > 1
     w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
     for M in (1, 8, 32, 40):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)

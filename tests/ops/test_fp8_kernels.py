@@ -62,7 +62,8 @@ if not INTERPRET:
 @pytest.mark.parametrize("post", [True, False])
 @pytest.mark.parametrize("N,K,splits", GEMV)
 def test_fp8_gemv_follows_the_16_bit_kernel_on_dequantized_weights(where, dtype, post, N, K, splits):
-    from nextserve.ops.triton.gemv import _config, small_m_linear
+    from nextserve.ops.triton.gemv import small_m_linear
+    from nextserve.ops.triton.gemv_config import gemv_config
 
     w = _fp8(N, K, seed=N + K)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(1)).to(device=DEV, dtype=dtype)
@@ -70,7 +71,7 @@ def test_fp8_gemv_follows_the_16_bit_kernel_on_dequantized_weights(where, dtype,
     got = small_m_linear(x, w, **run)
     plain = w.dequantize(dtype)
     if post:  # the twin in the FP8 configuration (tiles of one scale block): close, not the same bits
-        cfg = _config(N, K, dtype, fp8=True)
+        cfg = gemv_config(N, K, dtype, fp8=True)
         twin = small_m_linear(x, plain, cfg.block_n, cfg.block_k, splits=splits or cfg.splits)
     else:
         twin = small_m_linear(x, plain, splits=splits)
@@ -85,10 +86,10 @@ def test_fp8_gemv_follows_the_16_bit_kernel_on_dequantized_weights(where, dtype,
 def test_fp8_gemv_configuration_tiles_one_scale_block():
     """The FP8 rule: BLOCK_K one scale block, BLOCK_N widened while it still launches the target programs
     (up to 8 KB FP8 tiles), a function of the shape alone (C1)."""
-    from nextserve.ops.triton.gemv import FP8_BLOCK_K, FP8_TUNED, TARGET_PROGRAMS, _config
+    from nextserve.ops.triton.gemv_config import FP8_BLOCK_K, FP8_TUNED, TARGET_PROGRAMS, gemv_config
 
     for N, K in [(16480, 2560), (13952, 2560), (2560, 6144), (12800, 2560), (40, 300), (4, 2048)]:
-        cfg = _config(N, K, torch.bfloat16, fp8=True)
+        cfg = gemv_config(N, K, torch.bfloat16, fp8=True)
         assert cfg.block_k == FP8_BLOCK_K and cfg.block_n * cfg.block_k <= 8192
         if (N, K, torch.bfloat16) in FP8_TUNED:  # a measured configuration instead of the rule
             assert (cfg.block_n, cfg.block_k) == FP8_TUNED[N, K, torch.bfloat16][:2]
@@ -96,7 +97,7 @@ def test_fp8_gemv_configuration_tiles_one_scale_block():
         wider = cfg.block_n * 2
         assert cfg.block_n == 16 or -(-N // cfg.block_n) >= TARGET_PROGRAMS
         assert wider * FP8_BLOCK_K > 8192 or -(-N // wider) < TARGET_PROGRAMS
-        assert cfg == _config(N, K, torch.bfloat16, fp8=True)
+        assert cfg == gemv_config(N, K, torch.bfloat16, fp8=True)
 
 
 @small

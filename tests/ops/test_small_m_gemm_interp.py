@@ -8,7 +8,8 @@ import torch
 import triton
 from triton_interp import DEV, row_independent_dot, small  # noqa: F401
 
-from nextserve.ops.triton.gemv import MIN_SPLIT_K_TILES, TARGET_PROGRAMS, _config, small_m_linear
+from nextserve.ops.triton.gemv import small_m_linear
+from nextserve.ops.triton.gemv_config import MIN_SPLIT_K_TILES, TARGET_PROGRAMS, gemv_config
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -31,19 +32,22 @@ def _problem(M: int, N: int, K: int, dtype: torch.dtype, seed: int):
 
 def test_config_is_a_function_of_the_weight_and_fills_the_device() -> None:
     """The decode shapes at real size: enough programs (or a split per K tile, or too short a K loop to
-    split), no empty split; `_config` takes no M, so no choice can depend on it."""
+    split), no empty split; `gemv_config` takes no M, so no choice can depend on it."""
     shapes = [(248320, 2560), (10240, 2560), (6144, 2560), (48, 2560), (2560, 6144), (12288, 2560),
               (512, 2560), (640, 2560), (2560, 2560), (320, 10240), (10240, 320), (4, 10240),
               (2560, 640), (1, 2560)]  # fmt: skip
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for N, K in shapes:
-            c = _config(N, K, dtype)
+            c = gemv_config(N, K, dtype)
             k_tiles = triton.cdiv(K, c.block_k)
             assert c.splits * c.split_tiles >= k_tiles > (c.splits - 1) * c.split_tiles, (N, K, c)
             programs = triton.cdiv(N, c.block_n) * c.splits
             assert programs >= TARGET_PROGRAMS or c.splits == k_tiles or k_tiles < MIN_SPLIT_K_TILES
             assert c.block_n * c.block_k * dtype.itemsize <= 8192
-    assert _config(4, 10240, torch.bfloat16).splits > 1 and _config(248320, 2560, torch.bfloat16).splits == 1
+    assert (
+        gemv_config(4, 10240, torch.bfloat16).splits > 1
+        and gemv_config(248320, 2560, torch.bfloat16).splits == 1
+    )
 
 
 @small
@@ -58,8 +62,8 @@ def test_matches_reference(dtype: torch.dtype, N: int, K: int, splits: int | Non
 
 
 def test_cases_cover_one_and_several_splits() -> None:
-    assert _config(4, 2048, torch.float16).splits > 1 and _config(4, 2048, torch.float32).splits > 1
-    assert _config(33, 64, torch.float16).splits == _config(33, 64, torch.float32).splits == 1
+    assert gemv_config(4, 2048, torch.float16).splits > 1 and gemv_config(4, 2048, torch.float32).splits > 1
+    assert gemv_config(33, 64, torch.float16).splits == gemv_config(33, 64, torch.float32).splits == 1
 
 
 @small
@@ -82,12 +86,12 @@ def test_rows_are_invariant(dtype: torch.dtype, N: int, K: int, splits: int | No
 def test_weight_preload_gives_the_loop_bits(N: int, K: int, splits: int | None) -> None:
     """A split of at most PRELOAD_TILES tiles loads them before the PDL wait (1, 3 and 2 tiles here; 5 tiles
     preload none): the same bits as the plain K loop."""
-    from nextserve.ops.triton.gemv import _preload
+    from nextserve.ops.triton.gemv_config import preload_tiles
 
     x, w = _problem(20, N, K, torch.float16, seed=13)
     loop = small_m_linear(x, w, splits=splits, preload=False)
     assert torch.equal(small_m_linear(x, w, splits=splits), loop)
-    assert _preload(1) == 1 and _preload(4) == 4 and _preload(5) == 0
+    assert preload_tiles(1) == 1 and preload_tiles(4) == 4 and preload_tiles(5) == 0
 
 
 @small

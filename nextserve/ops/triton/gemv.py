@@ -2,7 +2,7 @@
 
 # NOTE: why a row's bits never depend on M or on the rows beside it (C1):
 # - the launch configuration (BLOCK_N, BLOCK_K, the split count and K range of each split, num_warps,
-#   num_stages) is a function of (N, K, dtype) alone (`_config`), never of M or of the data; M is
+#   num_stages) is a function of (N, K, dtype) alone (gemv_config.py), never of M or of the data; M is
 #   `do_not_specialize`, so one compiled kernel serves every M (Triton would otherwise compile M == 1
 #   as a constant). There is no separate M == 1 path;
 # - rows are padded to a block of BLOCK_M = 16 rows (32 when M > 16: one pass over a weight tile where two
@@ -26,25 +26,13 @@
 #   computed for it. Pointer-alignment specialisation (an unaligned view of x) changes load widths, not
 #   the loaded values or the arithmetic.
 # cuBLAS, in contrast, may pick its algorithm (and split-K) from M.
-# NOTE: speed. Decode streams the weights: one pass over W at M <= 16; the row blocks of a weight tile
-# are launched side by side (program id 0 runs fastest over row blocks), so at M = 17..48 the other row
-# blocks re-read the tile from L2, not HBM. A grid of cdiv(N, 32) programs, each over all of K, gives
-# 1..20 programs on 132 SMs for N <= 640, so: BLOCK_N drops to 16 when there would be fewer than
-# TARGET_PROGRAMS (2 per SM of a 132-SM H100/H200) 32-wide tiles, and K is split into enough ranges to
-# reach TARGET_PROGRAMS (at most one per BLOCK_K tile), unless the loop is shorter than
-# MIN_SPLIT_K_TILES tiles, not worth the second launch. BLOCK_K keeps each weight tile at 8 KiB, with
-# num_stages - 1 tiles in flight per program. benchmarks/bench_small_m_gemm.py --sweep measures the
-# alternatives. An FP8 weight has its own rule (`_config(..., fp8=True)`): tiles of one 128-column scale
-# block, up to 8 KiB of FP8 codes; benchmarks/bench_fp8_gemv.py --sweep measures those. In bf16 its codes
+# NOTE: speed: the configuration rule and its measured tables are gemv_config.py's. An FP8 weight's codes
 # become bf16 by bit moves (common.fp8_codes), not by Triton's conversion (five conversion instructions
 # per two codes): the same bits, 1.07-1.16x faster on the decode projections (BENCHMARKS.md, session 17).
 # The grouped experts keep Triton's conversion: the bit moves there measured slower (same session).
 """
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -61,101 +49,10 @@ from .common import (
     tile_counters,
     unit_stride,
 )
+from .gemv_config import FP8_BLOCK_K, gemv_config, k_splits, preload_tiles
 
 BLOCK_M = 16
-TARGET_PROGRAMS = 264  # a constant (2 x 132 SMs), never read from the device: it shapes the numerics
-TILE_BYTES = 8192  # weight bytes per BLOCK_N x BLOCK_K tile
-NUM_STAGES = 4  # pipeline depth of a 16-bit configuration
-MIN_SPLIT_K_TILES = 8  # K is split only when the unsplit loop would run this many tiles or more
-PRELOAD_TILES = 4  # a split of at most this many weight tiles loads them all before the PDL wait
 REDUCE_BLOCK = 256
-
-
-class Config(NamedTuple):
-    block_n: int
-    block_k: int
-    splits: int  # K splits (1: no workspace, one launch)
-    split_tiles: int  # BLOCK_K tiles per split (the last split may get fewer)
-    num_warps: int
-    num_stages: int
-    preload: int  # weight tiles loaded before the PDL wait (the whole split when it has <= PRELOAD_TILES)
-
-
-# Shapes whose measured best configuration beats the rule's by more than the run-to-run spread (H200,
-# `benchmarks/bench_small_m_gemm.py --sweep`, cold weights, M = 1; BENCHMARKS.md, session 6). Like the
-# rule, a function of (N, K, dtype): part of the numerics, never of M.
-TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {  # (block_n, block_k, K splits)
-    # the attention output projections (GDN out, QSA o_proj): 12.5 us against the rule's 16.0
-    (2560, 6144, torch.bfloat16): (64, 64, 8),
-    # the hyper-connection down|inject stack, measured in the engine's graph (session 26): 8 FP8 layers'
-    # c1 replay 1.296 ms against the rule's 1.333
-    (324, 10240, torch.bfloat16): (32, 256, 20),
-}
-FP8_BLOCK_K = 128  # an FP8 tile's K columns: one scale block, so its partial is scaled once per column
-FP8_TILE_BYTES = 8192
-# an FP8 stage holds half a 16-bit stage's weight bytes; measured in the engine's CUDA graphs, not alone
-FP8_NUM_STAGES = 8  # (BENCHMARKS.md, session 23)
-# FP8 weights' measured best configurations (the same bench, `--fp8`), keyed like TUNED
-FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
-    (13952, 2560, torch.bfloat16): (32, 128, 2),  # QSA in_proj: 19.9 us against the rule's 21.0
-    (2560, 6144, torch.bfloat16): (32, 128, 8),  # GDN out, QSA o_proj: 12.0 us against the rule's 19.9
-}
-
-
-@functools.cache
-def _config(
-    N: int, K: int, dtype: torch.dtype, target: int = TARGET_PROGRAMS, min_split: int = MIN_SPLIT_K_TILES,
-    fp8: bool = False,
-) -> Config:  # fmt: skip
-    """The launch configuration for an [N, K] weight: a function of (N, K, dtype, fp8) only (it sets the
-    numerics: a row's bits are fixed for a given config, whatever M). `target` and `min_split` are the
-    rule's constants, overridden only by the benchmark that compares rules (which then ignores TUNED).
-    `fp8`: an FP8 weight scaled after each tile's dot (POST_SCALE): tiles of one 128-column scale block,
-    BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile), FP8_NUM_STAGES deep."""
-    rule = (target, min_split) == (TARGET_PROGRAMS, MIN_SPLIT_K_TILES)
-    tuned = (FP8_TUNED if fp8 else TUNED).get((N, K, dtype)) if rule else None
-    if tuned is not None:
-        block_n, block_k, want = tuned
-        splits = _splits(N, K, block_n, block_k, want=want)
-    elif fp8:
-        block_k = FP8_BLOCK_K
-        block_n = 16
-        while block_n * 2 * block_k <= FP8_TILE_BYTES and triton.cdiv(N, block_n * 2) >= target:
-            block_n *= 2
-        splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
-    else:
-        block_n = 32 if triton.cdiv(N, 32) >= target else 16
-        block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
-        splits = _splits(N, K, block_n, block_k, target=target, min_split=min_split)
-    stages = FP8_NUM_STAGES if fp8 else NUM_STAGES
-    return Config(block_n, block_k, *splits, num_warps=4, num_stages=stages, preload=_preload(splits[1]))
-
-
-def _preload(split_tiles: int) -> int:
-    """Weight tiles a program loads before the PDL wait: all of its split's when they are few (the small
-    projections, bound by latency), none otherwise (a long K loop streams them pipelined anyway)."""
-    return split_tiles if split_tiles <= PRELOAD_TILES else 0
-
-
-def _splits(
-    N: int,
-    K: int,
-    block_n: int,
-    block_k: int,
-    want: int | None = None,
-    target: int = TARGET_PROGRAMS,
-    min_split: int = MIN_SPLIT_K_TILES,
-) -> tuple[int, int]:
-    """(splits, K tiles per split) for about `want` splits (default: the fewest that launch `target`
-    programs, at most one per K tile, and none for fewer than `min_split` K tiles); no split is
-    empty."""
-    n_tiles, k_tiles = triton.cdiv(N, block_n), max(1, triton.cdiv(K, block_k))
-    if want is None:
-        # a short K loop is not worth the partials' round trip through L2
-        want = triton.cdiv(target, n_tiles) if k_tiles >= min_split else 1
-    splits = triton.cdiv(k_tiles, max(1, k_tiles // max(1, want)))
-    tiles = triton.cdiv(k_tiles, splits)  # spread the remainder over the splits
-    return triton.cdiv(k_tiles, tiles), tiles
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -389,8 +286,8 @@ def small_m_linear(
     post_scale: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
-    capturable); accumulates in float32. The configuration is `_config(N, K, dtype, fp8)` unless overridden
-    (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
+    capturable); accumulates in float32. The configuration is `gemv_config(N, K, dtype, fp8)` unless
+    overridden (for tuning): it is part of the numerics, a row's bits being fixed for a given configuration.
     `splits` asks for about that many K splits (rounded so that no split is empty); `block_m` overrides
     the rows per program (16, or 32 when M > 16) for the benchmark's check that both give the same bits;
     `one_launch=False` adds the K splits in a second kernel (the same bits; for tests and the benchmark).
@@ -404,17 +301,17 @@ def small_m_linear(
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K, (x.shape, weight.shape)
-    cfg = _config(N, K, x.dtype, fp8=fp8.get("POST_SCALE", False))
+    cfg = gemv_config(N, K, x.dtype, fp8=fp8.get("POST_SCALE", False))
     bn = block_n or cfg.block_n
     bk = block_k or cfg.block_k
     if splits is None and (bn, bk) == (cfg.block_n, cfg.block_k):
         s, tiles = cfg.splits, cfg.split_tiles
     else:
-        s, tiles = _splits(N, K, bn, bk, want=splits)
+        s, tiles = k_splits(N, K, bn, bk, want=splits)
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     assert not fp8 or bk <= 256, "an FP8 tile spans at most two 128-column scale blocks"
     assert not fp8.get("POST_SCALE") or bk == FP8_BLOCK_K, "a post-scaled FP8 tile is one scale block"
-    pre = _preload(tiles) if preload is not False else 0
+    pre = preload_tiles(tiles) if preload is not False else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
@@ -451,7 +348,7 @@ def small_m_linear_mix(
     (weight, fp8), xn = _weight_args(weight, x), unit_stride(xn)
     M, K = x.shape
     N = weight.shape[0]
-    cfg = _config(N, K, x.dtype, fp8=bool(fp8))
+    cfg = gemv_config(N, K, x.dtype, fp8=bool(fp8))
     if N != n * hidden or cfg.splits != 1 or cfg.block_n % n or hidden % (cfg.block_n // n):
         return None
     assert xn.shape == (M, N) and weight.shape[1] == K, (x.shape, weight.shape, xn.shape)
@@ -476,7 +373,7 @@ def _weight_args(
 ) -> tuple[torch.Tensor, dict]:
     """The weight values a kernel reads and, for FP8 weights, its scale arguments.
 
-    # NOTE: an FP8 weight runs its own configuration (`_config(N, K, x.dtype, fp8=True)`): tiles of one
+    # NOTE: an FP8 weight runs its own configuration (`gemv_config(N, K, x.dtype, fp8=True)`): tiles of one
     # 128 x 128 scale block's columns whose codes enter the dot unscaled (exact in 16-bit floats), each
     # tile's float32 partial then times its columns' scales, as block-FP8 GEMMs do (DeepSeek's, vLLM's).
     # Rows stay invariant as the 16-bit kernel's do (the numerics are a function of (N, K, dtype) alone);
