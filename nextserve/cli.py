@@ -370,7 +370,7 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _make_model_parser(sub) -> None:
-    from .model.make_model import PRESETS
+    from .model.presets import PRESETS
 
     p = sub.add_parser("make-model", help="write a random checkpoint in Hugging Face layout")
     p.add_argument(
@@ -411,7 +411,8 @@ def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
     import torch
 
-    from .model.make_model import make_model, preset_overrides
+    from .model.make_model import make_model
+    from .model.presets import preset_overrides
 
     try:
         overrides = preset_overrides(args.preset, args.layers, args.ngram_vocab_base)

@@ -10,7 +10,7 @@ import torch
 from nextserve import bench
 from nextserve.cli import main
 from nextserve.config import GDN, QSA
-from nextserve.model.make_model import preset_overrides, text_config
+from nextserve.model.presets import preset_overrides, text_config
 from nextserve.model.shapes import expected_shapes
 
 

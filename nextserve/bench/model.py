@@ -11,9 +11,10 @@ import torch
 from ..config import DTYPES, EngineConfig, ModelConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import fp8_capable, materialize, meta_device
-from ..model.make_model import _init, _seed_for, preset_overrides, text_config
 from ..model.params import SCALE
+from ..model.presets import preset_overrides, text_config
 from ..model.quant import default_fp8
+from ..model.random_tensors import initial_values, seed_for
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import BLOCK, quantize
 
@@ -64,9 +65,10 @@ def random_flash_next(
     """A whole FlashNext with random weights drawn directly on `device` in `dtype`: no checkpoint.
 
     Every parameter is one of `expected_shapes(cfg)` (the loader's runtime names and shapes) and gets the
-    distribution make-model gives the tensor of that name (`make_model._init`: 1/sqrt(fan_in) projections,
-    unit embeddings, non-zero norm weights), drawn from a generator on the device seeded by (seed, name).
-    The values therefore differ from a make-model checkpoint of the same seed; the distributions do not.
+    distribution make-model gives the tensor of that name (`random_tensors.initial_values`: 1/sqrt(fan_in)
+    projections, unit embeddings, non-zero norm weights), drawn from a generator on the device seeded by
+    (seed, name). The values therefore differ from a make-model checkpoint of the same seed; the
+    distributions do not.
     Each parameter is allocated once, in its final dtype (no float32 copy of a 45 GB model): with `fp8`
     the projections and experts are block-wise FP8 (`fp8_names`), quantized as drawn, chunk by chunk; with
     `ple_host` (on a GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
@@ -90,15 +92,16 @@ def random_flash_next(
             p = params[name]
             if tuple(p.shape) != shape:
                 raise RuntimeError(f"{name}: model shape {tuple(p.shape)}, loader shape {shape}")
-            gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
+            gen = torch.Generator(device=device).manual_seed(seed_for(seed, name))
             row = max(1, p.numel() // max(1, shape[0]))
             step = max(1, _FILL_CHUNK_ELEMS // row)
             if name in scales and len(shape) == 2:  # whole 128-row scale blocks a chunk
                 step = max(BLOCK, step // BLOCK * BLOCK)
             for start in range(0, shape[0], step):
                 part = p[start : start + step]
-                with torch.device(device):  # _init draws with torch.randn/rand: on the device's generator
-                    values = _init(name, tuple(part.shape), gen)
+                # initial_values draws with torch.randn/rand: on the device's generator
+                with torch.device(device):
+                    values = initial_values(name, tuple(part.shape), gen)
                 if name not in scales:
                     part.copy_(values)
                     continue

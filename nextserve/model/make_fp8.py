@@ -28,8 +28,9 @@ def runtime_name(ckpt_name: str) -> str:
 
 
 def quantized(tensors: list, cfg: ModelConfig) -> list:
-    """The tensors (make_model._Tensor: name, shape, dtype, make) with each projection and expert weight that
-    `default_fp8` converts replaced by its FP8 values and scales, next to each other in file order."""
+    """The tensors (random_tensors.PlannedTensor: name, shape, dtype, make) with each projection and expert
+    weight that `default_fp8` converts replaced by its FP8 values and scales, next to each other in file
+    order."""
     capable, scheme = model_fp8_capable(cfg), default_fp8()
     out = []
     for t in tensors:

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..model.make_model import _full_config, _token_id, _write_safetensors, checkpoint_tensors
+from ..model.make_model import token_id, write_safetensors
+from ..model.presets import full_config
+from ..model.random_tensors import checkpoint_tensors
 from ..model.tokenizer_build import ENDOFTEXT, IM_END
 
 _SHARD = re.compile(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<i>\d+)\.weight$")
@@ -24,9 +26,9 @@ def write_checkpoint(
     tokenizer (its <|im_end|> id is the eos). Writes config.json, generation_config.json and
     model.safetensors; returns the ModelConfig."""
     out_dir = Path(out_dir)
-    eos, pad = _token_id(out_dir, IM_END), _token_id(out_dir, ENDOFTEXT)
+    eos, pad = token_id(out_dir, IM_END), token_id(out_dir, ENDOFTEXT)
     text = {"eos_token_id": eos} | text_config
-    config = _full_config(text, "text", dtype)
+    config = full_config(text, "text", dtype)
     cfg = ModelConfig.from_dict(config)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
@@ -52,5 +54,5 @@ def write_checkpoint(
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"{t.name}: trained shape {tuple(value.shape)} != {tuple(t.shape)}")
         tensors.append(replace(t, make=lambda v=value: v.detach().to("cpu", dtype).contiguous()))
-    _write_safetensors(out_dir, tensors, None)
+    write_safetensors(out_dir, tensors, None)
     return cfg

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import GDN, QSA, ModelConfig
-from ..model.make_model import _BASE, _full_config
+from ..model.presets import BASE_FIELDS, full_config
 from ..model.tokenizer_build import ENDOFTEXT, IM_END, build_tokenizer
 from . import data
 from .checkpoint import write_checkpoint
@@ -33,7 +33,7 @@ SETTINGS: dict[str, dict] = {
     # ~17M parameters (34 MB in bf16): 6 GDN + 2 QSA layers, PLE on GDN layer 2, 8 experts + shared,
     # QSA budget 64 tokens (16 blocks of 4), 4 hyper-connection streams, MTP.
     "default": {
-        "model": _BASE
+        "model": BASE_FIELDS
         | {
             "vocab_size": 8192,
             "hidden_size": 256,
@@ -76,7 +76,7 @@ SETTINGS: dict[str, dict] = {
     },
     # The same layer kinds at toy size, for a CPU in a couple of minutes.
     "smoke": {
-        "model": _BASE
+        "model": BASE_FIELDS
         | {
             "vocab_size": 1024,
             "hidden_size": 64,
@@ -219,7 +219,7 @@ def train(
     t_data = time.time() - t_start
 
     text = dict(st["model"]) | {"eos_token_id": tok.token_to_id(IM_END)}
-    cfg = ModelConfig.from_dict(_full_config(text, "text", torch.float32))
+    cfg = ModelConfig.from_dict(full_config(text, "text", torch.float32))
     lm = FlashNextLM(cfg)
     init_weights(lm, seed)
     lm.to(dev)

@@ -106,10 +106,10 @@ def test_training_forward_matches_transformers_and_mtp_oracle(shape) -> None:
 def test_training_step_reduces_loss() -> None:
     from hf_oracle import TINY as t
 
-    from nextserve.model.make_model import _full_config
+    from nextserve.model.presets import full_config
     from nextserve.train.model import init_weights
 
-    cfg = ModelConfig.from_dict(_full_config(dict(t), "text", torch.float32))
+    cfg = ModelConfig.from_dict(full_config(dict(t), "text", torch.float32))
     lm = FlashNextLM(cfg)
     init_weights(lm, 0)
     ids = torch.randint(2, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
