@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nextserve.bench.model import bench_config, engine_for_model, random_flash_next  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
-from nextserve.config import EngineConfig  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
 from nextserve.engine.scheduler import Chunk  # noqa: E402
+from nextserve.engine_config import EngineConfig  # noqa: E402
 
 
 def _decoding(engine) -> bool:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nextserve import LLM, SamplingParams  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
-from nextserve.config import DEFAULT_MODEL  # noqa: E402
+from nextserve.engine_config import DEFAULT_MODEL  # noqa: E402
 
 PROMPT = '''import os
 import sys

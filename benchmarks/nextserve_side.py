@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "reference"))
 import workload as W  # noqa: E402
 
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
-from nextserve.config import EngineConfig  # noqa: E402
 from nextserve.engine.engine import LLMEngine  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
+from nextserve.engine_config import EngineConfig  # noqa: E402
 
 
 def engine_flags(argv: list[str]) -> dict:

@@ -12,7 +12,8 @@ import sys
 import typing
 from collections.abc import Callable
 
-from .config import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ConfigError, EngineConfig
+from .config import ConfigError
+from .engine_config import DEFAULT_MODEL, DEFAULT_MODEL_NAME, EngineConfig
 
 # Help for engine flags; a field missing here still gets a flag, with a generic help line.
 ENGINE_FLAG_HELP: dict[str, str] = {

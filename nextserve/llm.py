@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from .config import DEFAULT_MODEL, EngineConfig
 from .engine.engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .engine.sampling import SamplingParams
+from .engine_config import DEFAULT_MODEL, EngineConfig
 
 
 class LLM:

@@ -5,8 +5,8 @@ equal serial decode."""
 import torch
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import EngineConfig
 from nextserve.engine.engine import LLMEngine
+from nextserve.engine_config import EngineConfig
 from nextserve.model.batch import ForwardBatch, SeqChunk
 
 

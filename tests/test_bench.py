@@ -89,7 +89,7 @@ def test_bench_runs_the_engines_default_chunk_and_page_size() -> None:
     import argparse
 
     from nextserve.bench.run import add_arguments
-    from nextserve.config import EngineConfig
+    from nextserve.engine_config import EngineConfig
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..config import DTYPES, EngineConfig, ModelConfig
+from ..config import DTYPES, ModelConfig
+from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import fp8_capable, materialize, meta_device
 from ..model.params import SCALE

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..cache.kv_pool import kv_bytes_per_token
-from ..config import DTYPES, EngineConfig
+from ..config import DTYPES
+from ..engine_config import EngineConfig
 from . import __doc__ as _package_doc
 from .hf import hf_decode, hf_prefill, hf_run, transformers_model
 from .meters import EnergyMeter, copy_bandwidth, sync

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from .engine import LLMEngine
 from .output_stream import MAX_UNREAD, OutputStream
 from .outputs import RequestOutput

@@ -11,7 +11,8 @@ import torch
 from ..cache.kv_pool import KVPool, PoolExhausted
 from ..cache.prefix import image_points
 from ..cache.states import StateSlots
-from ..config import ConfigError, EngineConfig, ModelConfig
+from ..config import ConfigError, ModelConfig
+from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
 from ..runtime.pipeline import PipelineRunner, build_stage
 from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..cache.kv_pool import kv_bytes_per_token
 from ..cache.states import KindRange, StateSlots
-from ..config import ConfigError, EngineConfig, ModelConfig
+from ..config import ConfigError, ModelConfig
+from ..engine_config import EngineConfig
 from ..model.loader import CheckpointReader, model_fp8_capable
 from ..model.params import SCALE
 from ..model.shapes import expected_shapes

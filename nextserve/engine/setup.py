@@ -14,7 +14,8 @@ from ..cache.kv_pool import KVPool, kv_bytes_per_token
 from ..cache.pinned_arena import PinnedArena
 from ..cache.prefix import PrefixCache
 from ..cache.states import KindRange, StateSlots
-from ..config import ConfigError, EngineConfig, ModelConfig
+from ..config import ConfigError, ModelConfig
+from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import check_readable, load_module, meta_device
 from ..model.mtp import MTP

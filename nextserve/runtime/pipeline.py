@@ -27,7 +27,8 @@ import torch
 
 from ..cache.kv_pool import KVPool, kv_bytes_per_token
 from ..cache.states import KindRange, StateSlots
-from ..config import EngineConfig, ModelConfig
+from ..config import ModelConfig
+from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import load_module, meta_device
 from ..model.shapes import expected_shapes

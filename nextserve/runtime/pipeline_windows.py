@@ -30,7 +30,7 @@ import torch
 
 from ..cache.decode_rows import WINDOW_FIELDS
 from ..cache.states import StateSlots
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..step_plan import Chunk, TokenLogprob
 from .stage_codec import wire_type
 from .windows import plain_greedy, sample_window

@@ -10,11 +10,11 @@ import time
 import pytest
 from cpu_flags import CPU_FLAGS
 
-from nextserve.config import EngineConfig
 from nextserve.engine.async_engine import AsyncEngine
 from nextserve.engine.output_stream import OutputStream
 from nextserve.engine.sampling import SamplingParams
 from nextserve.engine.scheduler import QueueFull
+from nextserve.engine_config import EngineConfig
 
 FLAGS = CPU_FLAGS | dict(max_concurrency=2, kv_capacity=512, max_context=256, max_pending=2)
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)

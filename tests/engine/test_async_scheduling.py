@@ -14,7 +14,8 @@ from test_batched_exactness import FLAGS
 from triton_interp import DEV
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 from nextserve.ops.tokens import resolve_pending_ids
 
 EOS = 1  # hf_oracle.TINY

@@ -8,7 +8,8 @@ from test_prefix_reuse import GREEDY, SEEDED, _ids, _pool_full_after_clear, _run
 
 from nextserve.cache.host_store import HostImage, HostImageStore
 from nextserve.cache.pinned_arena import ALIGN, PinnedArena
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 
 ONE_ON_DEVICE = dict(prefix_cache_images=1, host_state_slots=4)
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from nextserve import LLM
-from nextserve.config import ConfigError, EngineConfig, ModelConfig
+from nextserve.config import ConfigError, ModelConfig
 from nextserve.engine.memory_plan import GiB, MemoryPlan, _check_fits, plan_memory, weight_kind
+from nextserve.engine_config import EngineConfig
 from nextserve.model.make_model import make_model
 from nextserve.model.shapes import expected_shapes
 

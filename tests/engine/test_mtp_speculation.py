@@ -10,7 +10,8 @@ from pool_check import assert_pool_full
 from spec_cases import PY_PROMPT, DraftLog, mtp_drafts_resumed_as_cold, py_prompts, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import DEFAULT_MODEL, ConfigError
+from nextserve.config import ConfigError
+from nextserve.engine_config import DEFAULT_MODEL
 from nextserve.model.make_model import make_model
 from nextserve.train.evaluate import greedy_with_drafts, load
 

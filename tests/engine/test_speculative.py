@@ -7,8 +7,9 @@ from pool_check import assert_pool_full
 from spec_cases import OracleProposer, check_window_batch, check_window_rows, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
 from nextserve.engine.speculative import NgramProposer
+from nextserve.engine_config import EngineConfig
 
 FLAGS = dict(
     device="cpu", dtype="float32", prefill_chunk=16, page_size=16, kv_capacity=4096, max_concurrency=3

@@ -184,7 +184,7 @@ def test_mtp_through_two_stages_on_one_gpu(head: str, graph: bool) -> None:
     graphs or eager windows, bit for bit)."""
     from spec_cases import DraftLog, py_prompts
 
-    from nextserve.config import DEFAULT_MODEL
+    from nextserve.engine_config import DEFAULT_MODEL
 
     flags = FLAGS | {"prefill_chunk": 32, "cuda_graph": graph}
     plain = LLM(DEFAULT_MODEL, dtype="bfloat16", **flags)
@@ -218,7 +218,7 @@ def test_pipeline_windows_through_two_stages_on_one_gpu(graph: bool) -> None:
     to 2K + 2 rows, or run eagerly)."""
     from spec_cases import py_prompts
 
-    from nextserve.config import DEFAULT_MODEL
+    from nextserve.engine_config import DEFAULT_MODEL
 
     flags = FLAGS | {"prefill_chunk": 32, "cuda_graph": graph}
     plain = LLM(DEFAULT_MODEL, dtype="bfloat16", **flags)

@@ -18,7 +18,7 @@ from spec_cases import (
 )
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import DEFAULT_MODEL
+from nextserve.engine_config import DEFAULT_MODEL
 
 pytestmark = [
     pytest.mark.gpu,

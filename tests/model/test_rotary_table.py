@@ -5,7 +5,8 @@ keeps computing cos and sin."""
 import pytest
 import torch
 
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 from nextserve.model.flash_next import ROTARY_MARGIN, FlashNext
 from nextserve.ops.rope import cos_sin
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 from nextserve.ops import pdl as common
 from nextserve.ops.pdl import set_pdl
 from nextserve.ops.triton.common import launch_pdl, pdl_args

@@ -11,7 +11,8 @@ from pool_check import assert_pool_full
 
 from nextserve import LLM, SamplingParams
 from nextserve.cli import build_parser, engine_config_from_args
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 from nextserve.runtime.pipeline import stage_layers
 from nextserve.runtime.stage_transport import NcclTransport
 from nextserve.runtime.stage_worker import TRACE_ENV

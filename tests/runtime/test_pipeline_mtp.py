@@ -9,7 +9,8 @@ from pool_check import assert_pool_full
 from spec_cases import PY_PROMPT, DraftLog, mtp_drafts_resumed_as_cold, py_prompts, same, spec_prompts
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import DEFAULT_MODEL, ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import DEFAULT_MODEL, EngineConfig
 from nextserve.runtime.pipeline import StageNeeds, stage_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # stage processes share 2 cores

@@ -14,8 +14,9 @@ from pool_check import assert_pool_full
 from spec_cases import PY_PROMPT, py_prompts, same
 
 from nextserve import LLM, SamplingParams
-from nextserve.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from nextserve.config import ConfigError, ModelConfig
 from nextserve.engine.sampling import SamplingParams as Params
+from nextserve.engine_config import DEFAULT_MODEL, EngineConfig
 from nextserve.runtime.pipeline_windows import commit_location, mtp_tokens, pair_chunk, sample_pair
 from nextserve.runtime.windows import sample_window
 from nextserve.step_plan import Chunk

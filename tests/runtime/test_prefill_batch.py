@@ -9,7 +9,8 @@ from hf_oracle import TINY, hf_model, new_sequence, nextserve_model
 from pool_check import assert_pool_full
 
 from nextserve import SamplingParams
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 from nextserve.model.batch import ForwardBatch, SeqChunk
 from nextserve.runtime.runner import prefill_groups
 from nextserve.step_plan import Chunk

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from nextserve.config import DEFAULT_MODEL, ModelConfig
+from nextserve.config import ModelConfig
+from nextserve.engine_config import DEFAULT_MODEL
 from nextserve.runtime import stage_codec
 from nextserve.runtime.stage_launch import RankSetup, StageSetup, torchrun_rank
 

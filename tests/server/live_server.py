@@ -17,8 +17,8 @@ import torch
 import uvicorn
 from cpu_flags import CPU_FLAGS
 
-from nextserve.config import EngineConfig
 from nextserve.engine.async_engine import AsyncEngine
+from nextserve.engine_config import EngineConfig
 from nextserve.server.app import build_app
 from nextserve.server.limits import DEFAULT_LIMITS, ServerLimits
 

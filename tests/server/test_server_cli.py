@@ -17,7 +17,7 @@ import pytest
 from live_server import wait_healthy
 
 from nextserve.cli import build_parser, engine_config_from_args, main
-from nextserve.config import EngineConfig
+from nextserve.engine_config import EngineConfig
 
 
 def test_every_engine_field_is_a_serve_flag():
@@ -85,7 +85,8 @@ def test_serve_with_a_missing_model_dir_is_a_clear_error(capsys):
 
 def test_serve_defaults_to_the_embedded_model():
     from nextserve.cli import build_parser, engine_config_from_args
-    from nextserve.config import DEFAULT_MODEL, ModelConfig
+    from nextserve.config import ModelConfig
+    from nextserve.engine_config import DEFAULT_MODEL
 
     args = build_parser().parse_args(["serve"])
     assert engine_config_from_args(args).model == DEFAULT_MODEL

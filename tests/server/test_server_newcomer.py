@@ -18,7 +18,8 @@ import pytest
 from live_server import MODEL_NAME, assert_pool_full, live_server
 
 from nextserve.cli import build_parser
-from nextserve.config import ConfigError, EngineConfig
+from nextserve.config import ConfigError
+from nextserve.engine_config import EngineConfig
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Weather in Paris?"}]

@@ -1,0 +1,236 @@
+"""EngineConfig: every engine mode, each field a `nextserve serve` flag of the same name (C3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.resources import files
+
+import torch
+
+from .config import DTYPES, ConfigError
+
+# --prefill-batch-chunks auto in one process: chunks up to this many tokens a forward (vLLM's prefill step;
+# 4 chunks at the default 4,096: BENCHMARKS.md, session 18)
+AUTO_PREFILL_BATCH_TOKENS = 16384
+
+
+# The small Flash-Next that ships inside the package (tools/train_default_model.py trained it).
+DEFAULT_MODEL = str(files("nextserve") / "assets" / "default_model")
+DEFAULT_MODEL_NAME = "nextserve-default"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine mode; each field is a `nextserve serve` flag of the same name (C3)."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto: cuda when available
+    prefill_chunk: int = 4096  # BENCHMARKS.md session 12: 62.7K cold TTFT 1.13 s against 1.94 at 1024
+    max_concurrency: int = 16
+    kv_capacity: int | str = "auto"  # tokens in the pool, or "auto"
+    max_context: int | None = None  # per sequence; default: the model's max_position_embeddings
+    page_size: int = 64
+    max_pending: int = 256
+    memory_headroom_mib: int = 2048
+    cpu_kv_budget_mib: int = 1024
+    seed: int = 0
+    prefix_cache: bool = True  # prefix reuse (--no-prefix-cache: off)
+    prefix_cache_images: int | str = "auto"  # grid images kept for prefix reuse; auto: sized with the pool
+    prefix_anchor_chunks: int = 0  # also keep an image every N chunks of long prompts (0: none)
+    cuda_graph: bool = True  # replay decode steps and verify windows as CUDA graphs (GPU only)
+    pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+ GPUs only)
+    async_scheduling: bool = True  # launch a greedy decode step before reading the previous one's tokens
+    speculative_method: str = "off"  # "ngram" (prompt lookup) or "mtp" (the MTP block): drafts to verify
+    speculative_tokens: int = 4  # draft tokens per verify window at most
+    pipeline_stages: int = 1  # processes the layers are split across, one device each
+    pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
+    decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
+    pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
+    # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
+    # (auto: 16,384 tokens a forward in one process, 4 chunks at the default chunk; BENCHMARKS.md session 18:
+    # a cold 62.7K prompt 1.14x, four 16K prompts 1.20x, 1K prompts 1.40x; with pipeline stages one)
+    prefill_batch_chunks: int | str = "auto"
+    stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
+    head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
+    pipeline_windows: bool = False  # front stages run the MTP-guessed next window while the last verifies
+    host_state_slots: int | str = "auto"  # prefix images kept in host memory (0: off; auto: on if room)
+    host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
+    skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
+    quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
+    ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
+    warm_up: bool = True  # compile every kernel specialisation at start, before serving (GPU only)
+    compile_cache_dir: str | None = None  # Triton's compile cache (a restart then compiles nothing)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        ints = ("prefill_chunk", "max_concurrency", "page_size", "max_pending", "pipeline_stages")
+        ints += ("decode_groups",)
+        for name in ints:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.kv_capacity != "auto" and (not isinstance(self.kv_capacity, int) or self.kv_capacity <= 0):
+            raise ConfigError(f"kv_capacity must be a positive integer or 'auto', got {self.kv_capacity!r}")
+        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context <= 0):
+            raise ConfigError(f"max_context must be a positive integer, got {self.max_context!r}")
+        counts = ("prefix_cache_images", "prefix_anchor_chunks", "seed", "host_state_slots", "host_kv_mib")
+        for name in counts:
+            value = getattr(self, name)
+            if value == "auto" and name in ("prefix_cache_images", "host_state_slots"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                auto = " or 'auto'" if name in ("prefix_cache_images", "host_state_slots") else ""
+                raise ConfigError(f"{name} must be a non-negative integer{auto}, got {value!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be true or false, got {self.prefix_cache!r}")
+        images = self.prefix_cache_images if self.prefix_cache else 0
+        if self.host_state_slots not in (0, "auto") and images == 0:
+            raise ConfigError(
+                "host_state_slots needs prefix reuse on (prefix_cache_images > 0 or auto): it keeps "
+                "device spills"
+            )
+        if self.ple_table not in ("auto", "device", "host"):
+            raise ConfigError(f"ple_table must be auto, device or host, got {self.ple_table!r}")
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ConfigError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
+        if self.speculative_method not in ("off", "ngram", "mtp"):
+            raise ConfigError(
+                f"speculative_method must be off, ngram or mtp, got {self.speculative_method!r}"
+            )
+        if not isinstance(self.speculative_tokens, int) or not 1 <= self.speculative_tokens <= 32:
+            raise ConfigError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens!r}")
+        if self.compile_cache_dir is not None and (
+            not isinstance(self.compile_cache_dir, str) or not self.compile_cache_dir
+        ):
+            raise ConfigError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
+        bools = ("cuda_graph", "pdl", "async_scheduling", "skip_tokenizer", "warm_up", "pipeline_windows")
+        for name in bools:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
+            raise ConfigError("memory_headroom_mib must be >= 0 and cpu_kv_budget_mib > 0")
+        self._check_stage_flags()
+
+    def _check_stage_flags(self) -> None:
+        """stage_transport and pipeline_devices (normalised to "i,j,..." when given as a list of ints)."""
+        if self.decode_groups > 1 and self.pipeline_stages < 2:
+            raise ConfigError("decode_groups > 1 keeps pipeline stages busy: it needs pipeline_stages > 1")
+        if self.decode_groups > 64:
+            raise ConfigError(f"decode_groups must be at most 64, got {self.decode_groups!r}")
+        chunks = self.pipeline_prefill_chunks
+        if chunks != "auto":
+            if not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= 64:
+                raise ConfigError(f"pipeline_prefill_chunks must be 'auto' or in 1..64, got {chunks!r}")
+            if chunks > 1 and self.pipeline_stages < 2:
+                raise ConfigError(
+                    "pipeline_prefill_chunks > 1 keeps pipeline stages busy: it needs pipeline_stages > 1"
+                )
+        batch = self.prefill_batch_chunks
+        if batch != "auto" and (
+            not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 64
+        ):
+            raise ConfigError(f"prefill_batch_chunks must be 'auto' or in 1..64, got {batch!r}")
+        if batch != "auto" and batch > 1 and self.pipeline_stages > 1:
+            raise ConfigError(
+                "prefill_batch_chunks > 1 runs several prompt chunks in one forward of one process; with "
+                "pipeline stages a step's chunks overlap across the stages (--pipeline-prefill-chunks)"
+            )
+        if self.stage_transport not in ("auto", "nccl", "host"):
+            raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
+        if self.head_embedding not in ("device", "host"):
+            raise ConfigError(f"head_embedding must be device or host, got {self.head_embedding!r}")
+        if self.head_embedding == "host" and (self.pipeline_stages < 2 or self.speculative_method != "mtp"):
+            raise ConfigError(
+                "head_embedding host is where the last pipeline stage's MTP block reads its token "
+                "embeddings: it needs pipeline_stages > 1 and speculative_method mtp (one process reads "
+                "the model's own table)"
+            )
+        if self.pipeline_windows and (self.pipeline_stages < 2 or self.speculative_method != "mtp"):
+            raise ConfigError(
+                "pipeline_windows runs the MTP block's guess of the next verify window on the front stages "
+                "while the last stage verifies: it needs pipeline_stages > 1 and speculative_method mtp"
+            )
+        if self.device == "cpu" and self.stage_transport == "nccl":
+            raise ConfigError(
+                "stage_transport nccl needs CUDA devices; CPU stages pass activations over Gloo (host)"
+            )
+        devices = self.pipeline_devices
+        if devices is None:
+            return
+        if isinstance(devices, list | tuple) and all(type(i) is int for i in devices):
+            devices = ",".join(map(str, devices))
+        parts = devices.split(",") if isinstance(devices, str) else None
+        if parts is None or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
+            raise ConfigError(
+                f"pipeline_devices must be comma-separated CUDA device indices such as 0,1, got {devices!r}"
+            )
+        indices = [int(p) for p in parts]
+        # NOTE: NCCL runs one rank per GPU; through host memory several stages may share a GPU (one GPU
+        # then runs the stage processes, as tests/gpu/test_pipeline_cuda.py does on a single H200).
+        if len(set(indices)) != len(indices) and self.stage_transport != "host":
+            raise ConfigError(
+                f"pipeline_devices names a GPU twice, which needs --stage-transport host (NCCL runs one "
+                f"stage per GPU), got {devices!r}"
+            )
+        if self.pipeline_stages < 2 or len(indices) != self.pipeline_stages:
+            raise ConfigError(
+                f"pipeline_devices names {len(indices)} devices: give one per stage, with pipeline_stages "
+                f"> 1 (pipeline_stages is {self.pipeline_stages}; one device is --device cuda:N)"
+            )
+        if self.device == "cpu":
+            raise ConfigError("pipeline_devices are CUDA devices; it does not go with device cpu")
+        object.__setattr__(self, "pipeline_devices", ",".join(map(str, indices)))
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda was asked for but no CUDA device is available")
+        return dev
+
+    @property
+    def state_slots(self) -> int:
+        """State slots to allocate: one per sequence, and with pipeline_windows the shadow slot the guessed
+        windows run on (runtime/pipeline.py)."""
+        return self.max_concurrency + int(self.pipeline_windows)
+
+    def prefill_chunks_per_step(self) -> int:
+        """Prompt chunks one step runs at most: one process, prefill_batch_chunks (in one forward); with
+        pipeline stages, those a step sends in (auto: one per stage)."""
+        if self.pipeline_stages == 1:
+            batch = self.prefill_batch_chunks
+            if batch == "auto":
+                return max(1, min(64, AUTO_PREFILL_BATCH_TOKENS // self.prefill_chunk))
+            return batch
+        chunks = self.pipeline_prefill_chunks
+        return self.pipeline_stages if chunks == "auto" else chunks
+
+    def prefill_forward_chunks(self) -> int:
+        """Prompt chunks one forward may run together (FlashNext.forward_chunks): a step's chunks in one
+        process; one with pipeline stages, whose stages run a step's chunks one after another."""
+        return self.prefill_chunks_per_step() if self.pipeline_stages == 1 else 1
+
+    def stage_devices(self) -> list[torch.device]:
+        """Each pipeline stage's device: pipeline_devices, else consecutive CUDA indices from --device's
+        (cuda: 0, 1, ...; cuda:2: 2, 3, ...); every stage on the CPU backend is the CPU."""
+        dev = self.torch_device()
+        if dev.type != "cuda":
+            return [dev] * self.pipeline_stages
+        if self.pipeline_devices is not None:
+            return [torch.device("cuda", int(i)) for i in self.pipeline_devices.split(",")]
+        return [torch.device("cuda", (dev.index or 0) + i) for i in range(self.pipeline_stages)]
+
+    def stage_transport_kind(self) -> str:
+        """stage_transport with auto resolved: nccl on CUDA, host on the CPU (Gloo only)."""
+        if self.stage_transport != "auto":
+            return self.stage_transport
+        return "nccl" if self.torch_device().type == "cuda" else "host"
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
