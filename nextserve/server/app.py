@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 
 from ..engine.async_engine import AsyncEngine
+from . import answers as A
 from . import protocol as P
 from . import routes_chat, routes_completions, routes_messages, routes_responses
 from .anthropic import CountTokensRequest, MessagesRequest
@@ -204,25 +205,25 @@ def build_app(
         # NOTE: reading the engine's stats waits for the current step; do it off the event loop.
         return Response(await asyncio.to_thread(srv.metrics.render), media_type=CONTENT_TYPE)
 
-    def _card() -> P.ModelCard:
-        return P.ModelCard(id=srv.name, max_model_len=srv.max_context)
+    def _card() -> A.ModelCard:
+        return A.ModelCard(id=srv.name, max_model_len=srv.max_context)
 
-    @app.get("/v1/models", response_model=P.ModelList)
-    async def models() -> P.ModelList:
-        return P.ModelList(data=[_card()])
+    @app.get("/v1/models", response_model=A.ModelList)
+    async def models() -> A.ModelList:
+        return A.ModelList(data=[_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard)
-    async def model(model_id: str) -> P.ModelCard:
+    @app.get("/v1/models/{model_id:path}", response_model=A.ModelCard)
+    async def model(model_id: str) -> A.ModelCard:
         check_model(srv, model_id)
         return _card()
 
     body = {"requestBody": {"required": True, "content": {"application/json": {"schema": {}}}}}
 
-    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, openapi_extra=body)
+    @app.post("/v1/chat/completions", response_model=A.ChatCompletionResponse, openapi_extra=body)
     async def chat_completions(request: Request) -> Response:
         return await routes_chat.chat_completions(srv, request)
 
-    @app.post("/v1/completions", response_model=P.CompletionResponse, openapi_extra=body)
+    @app.post("/v1/completions", response_model=A.CompletionResponse, openapi_extra=body)
     async def completions(request: Request) -> Response:
         return await routes_completions.completions(srv, request)
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from fastapi import Request
 
+from . import json_schema as J
 from . import protocol as P
 from .errors import bad
 from .grammar import GrammarUnavailable
@@ -61,15 +62,15 @@ def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[
     asks = []
     for field, kind, value in wanted:
         if kind == "json":
-            value = P.load_schema(value)
-        nodes = P.schema_nodes(value) if kind == "json" else 0
+            value = J.load_schema(value)
+        nodes = J.schema_nodes(value) if kind == "json" else 0
         asks.append(_Ask(field, functools.partial(compile_of[kind], value), nodes, _size(kind, value)))
     forced_tools = tools and (tool_choice == "required" or isinstance(tool_choice, P.NamedToolChoice))
     if forced_tools:
         forced = tool_choice.function.name if isinstance(tool_choice, P.NamedToolChoice) else None
         parallel = bool(getattr(req, "parallel_tool_calls", True))
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
-        nodes = sum(P.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
+        nodes = sum(J.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
         compile_fn = functools.partial(g.compile_tool_calls, tools, forced, parallel, srv.tool_call_xml)
         asks.append(_Ask("tool_choice", compile_fn, nodes, 0))
     return asks

@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI-compatible API: requests (validated strictly) and responses.
+"""Pydantic models of the OpenAI-compatible API's requests, validated strictly (the answers: answers.py).
 
 Requests are strict: a string where a number belongs, a float where an integer belongs, or an
 out-of-range value is a 400, as the OpenAI API answers. Unknown top-level fields are ignored (agent
@@ -7,13 +7,12 @@ clients send vendor fields such as `metadata` or `store`), but every known field
 
 from __future__ import annotations
 
-import json
 import re
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .json_schema import check_json_schema, load_schema
 from .limits import DEFAULT_LIMITS, ServerLimits
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
@@ -280,109 +279,6 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-# ---- responses -----------------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprobOut(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprobOut] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class _Answer(BaseModel):
-    """The envelope both endpoints answer in; each names its object and its choices."""
-
-    id: str
-    object: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[Any]
-    usage: Usage
-
-
-class ChatCompletionResponse(_Answer):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(_Answer):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "nextserve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
 # ---- helpers -------------------------------------------------------------------------------------------
 
 
@@ -392,57 +288,3 @@ MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 def _limits(info: ValidationInfo) -> ServerLimits:
     ctx = info.context or {}
     return ctx.get("limits", DEFAULT_LIMITS)
-
-
-def load_schema(v: dict[str, Any] | str) -> Any:
-    if isinstance(v, str):
-        try:
-            return json.loads(v)
-        except RecursionError:
-            raise ValueError("the JSON schema nests too deeply") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-    return v
-
-
-def schema_size(schema: Any) -> tuple[int, int]:
-    """(objects and arrays, their deepest nesting) of a schema (what its grammar's size follows), counted
-    without recursion."""
-    nodes, deepest, stack = 0, 0, [(schema, 1)]
-    while stack:
-        v, d = stack.pop()
-        if not isinstance(v, dict | list):
-            continue
-        nodes, deepest = nodes + 1, max(deepest, d)
-        stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return nodes, deepest
-
-
-def schema_nodes(schema: Any) -> int:
-    return schema_size(schema)[0]
-
-
-def check_json_schema(schema: Any, limits: ServerLimits = DEFAULT_LIMITS) -> None:
-    """Raises ValueError when `schema` is not a JSON Schema document within the server's limits."""
-    if not isinstance(schema, dict):
-        raise ValueError("a JSON schema must be an object")
-    nodes, depth = schema_size(schema)
-    if depth > limits.max_schema_depth:
-        raise ValueError(
-            f"the JSON schema nests deeper than {limits.max_schema_depth} levels (--max-schema-depth)"
-        )
-    if nodes > limits.max_schema_nodes:
-        raise ValueError(
-            f"the JSON schema holds {nodes} objects and arrays; at most {limits.max_schema_nodes} "
-            "(--max-schema-nodes)"
-        )
-    try:
-        import jsonschema
-    except ImportError:  # pragma: no cover - jsonschema ships with the server extra
-        return
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(
-            schema
-        )
-    except jsonschema.SchemaError as exc:
-        raise ValueError(f"not a valid JSON schema: {exc.message}") from None

@@ -136,7 +136,7 @@ def test_schema_depth_at_the_limit_is_served(server):
 
 def test_schema_depth_at_and_past_a_limit():
     limits = ServerLimits(max_schema_depth=7)
-    from nextserve.server.protocol import check_json_schema
+    from nextserve.server.json_schema import check_json_schema
 
     check_json_schema(_nested_schema(3), limits)  # 7 levels: 3 objects with their properties maps, a leaf
     with pytest.raises(ValueError, match="max-schema-depth"):
