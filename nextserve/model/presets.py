@@ -26,6 +26,16 @@ BASE_FIELDS: dict[str, Any] = {
     "index_share_for_mtp_iteration": False,
 }
 
+# The test presets' rotary (FLASH_NEXT.md section 5): rot = 16 <= the indexer's head dim. text_config
+# deep-copies a preset, so the presets may share it.
+_TEST_ROPE: dict[str, Any] = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "mrope_section": [3, 3, 2],
+    "mrope_interleaved": True,
+}
+
 # Text-config fields of each preset (eos_token_id comes from the tokenizer).
 PRESETS: dict[str, dict[str, Any]] = {
     # FLASH_NEXT.md section 5, with a vocab big enough for a real BPE and room for long-context tests.
@@ -38,13 +48,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },
+        "rope_parameters": _TEST_ROPE,
         "linear_conv_kernel_dim": 4,
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
@@ -77,13 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },
+        "rope_parameters": _TEST_ROPE,
         "linear_conv_kernel_dim": 4,
         "linear_key_head_dim": 32,
         "linear_value_head_dim": 32,
