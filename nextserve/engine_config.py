@@ -1,4 +1,4 @@
-"""EngineConfig: every engine mode, each field a `nextserve serve` flag of the same name (C3)."""
+"""The engine's flags (EngineConfig) and the model served when none is named (DEFAULT_MODEL)."""
 
 from __future__ import annotations
 

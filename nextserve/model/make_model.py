@@ -33,6 +33,7 @@ _full_config, _init, _seed_for = full_config, initial_values, seed_for
 __all__ = [
     "make_model",
     "token_id",
+    "write_configs",
     "write_safetensors",
     "checkpoint_tensors",
     "preset_overrides",
@@ -88,6 +89,13 @@ def _readable_like_the_rest(path: Path) -> None:
     path.chmod(like.stat().st_mode & 0o777 if like.is_file() else 0o644)
 
 
+def write_configs(out_dir: Path, config: dict[str, Any], eos: int, pad: int) -> None:
+    """config.json, and generation_config.json with the eos and pad ids (no bos)."""
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
 def token_id(out_dir: Path, token: str) -> int:
     raw = json.loads((out_dir / "tokenizer.json").read_text())
     return next(t["id"] for t in raw["added_tokens"] if t["content"] == token)
@@ -128,9 +136,7 @@ def make_model(
     if quantization == "fp8":
         config["quantization_config"] = fp8_config_json()
     cfg = ModelConfig.from_dict(config)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"eos_token_id": text["eos_token_id"], "pad_token_id": pad, "bos_token_id": None}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_configs(out_dir, config, text["eos_token_id"], pad)
 
     tensors = checkpoint_tensors(cfg, seed, layout, fused_experts, with_mtp, dtype)
     if quantization == "fp8":

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..model.make_model import token_id, write_safetensors
+from ..model.make_model import token_id, write_configs, write_safetensors
 from ..model.presets import full_config
 from ..model.random_tensors import checkpoint_tensors
 from ..model.tokenizer_build import ENDOFTEXT, IM_END
@@ -30,9 +29,7 @@ def write_checkpoint(
     text = {"eos_token_id": eos} | text_config
     config = full_config(text, "text", dtype)
     cfg = ModelConfig.from_dict(config)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_configs(out_dir, config, eos, pad)
     tensors, row = [], {}
     for t in checkpoint_tensors(cfg, 0, "text", fused_experts=True, with_mtp=True, dtype=dtype):
         rt = t.name.removeprefix("model.")
