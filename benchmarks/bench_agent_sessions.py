@@ -1,4 +1,4 @@
-"""Agent sessions (issue 19): how many requests without max_tokens run at once, a 16-session agent
+"""Agent sessions: how many requests without max_tokens run at once, a 16-session agent
 workload with prefix reuse on (the default) against off, and the cost of one preempt + resume.
 
     python benchmarks/bench_agent_sessions.py [--layers 8] [--sessions 16] [--out FILE]

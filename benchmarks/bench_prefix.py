@@ -72,7 +72,8 @@ def main() -> None:
         flags = dict(device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, page_size=16,
                      max_concurrency=2, kv_capacity=8192, max_context=4096)  # fmt: skip
         results = {}
-        for name, extra in (("cold", {}), ("prefix_reuse", {"prefix_cache_images": 16})):
+        # NOTE: prefix reuse is on by default, so the cold engine turns it off
+        for name, extra in (("cold", {"prefix_cache": False}), ("prefix_reuse", {"prefix_cache_images": 16})):
             results[name] = session(LLM(str(model), **flags, **extra), system, messages, args.reply_tokens)
     identical = results["cold"].pop("replies") == results["prefix_reuse"].pop("replies")
     print(json.dumps({

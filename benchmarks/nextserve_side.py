@@ -11,6 +11,7 @@ greedy tokens can be compared. Prints the JSON as it grows and writes it to OUT.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -43,9 +44,14 @@ def engine_flags(argv: list[str]) -> dict:
 
 
 def main() -> None:
-    ckpt, out = sys.argv[1], Path(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt", help="the reference checkpoint (benchmarks/reference/make_ckpt.py)")
+    ap.add_argument("out", type=Path, help="the JSON file to write")
+    ap.add_argument("flags", nargs=argparse.REMAINDER, help="engine flags: --name value ...")
+    args = ap.parse_args()
+    ckpt, out = args.ckpt, args.out
     flags = {"skip_tokenizer": True, "max_context": 72 * 1024, "prefix_cache_images": 8} | engine_flags(
-        sys.argv[3:]
+        args.flags
     )
     res: dict = {
         "engine": "nextserve",

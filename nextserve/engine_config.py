@@ -10,7 +10,7 @@ import torch
 from .config import DTYPES, ConfigError
 
 # --prefill-batch-chunks auto in one process: chunks up to this many tokens a forward (vLLM's prefill step;
-# 4 chunks at the default 4,096: BENCHMARKS.md, session 18)
+# 4 chunks at the default 4,096: BENCHMARKS.md, Long prefill)
 AUTO_PREFILL_BATCH_TOKENS = 16384
 
 
@@ -26,7 +26,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto: cuda when available
-    prefill_chunk: int = 4096  # BENCHMARKS.md session 12: 62.7K cold TTFT 1.13 s against 1.94 at 1024
+    prefill_chunk: int = 4096  # BENCHMARKS.md, Long prefill: 62.7K cold TTFT 1.13 s against 1.94 at 1024
     max_concurrency: int = 16
     kv_capacity: int | str = "auto"  # tokens in the pool, or "auto"
     max_context: int | None = None  # per sequence; default: the model's max_position_embeddings
@@ -48,8 +48,8 @@ class EngineConfig:
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
-    # (auto: 16,384 tokens a forward in one process, 4 chunks at the default chunk; BENCHMARKS.md session 18:
-    # a cold 62.7K prompt 1.14x, four 16K prompts 1.20x, 1K prompts 1.40x; with pipeline stages one)
+    # (auto: 16,384 tokens a forward in one process, 4 chunks at the default chunk; BENCHMARKS.md, Long
+    # prefill: a cold 62.7K prompt 1.14x, four 16K prompts 1.20x, 1K prompts 1.40x; with pipeline stages one)
     prefill_batch_chunks: int | str = "auto"
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)

@@ -35,7 +35,7 @@ from nextserve.model.make_model import make_model  # noqa: E402
 def one_torch_thread():
     """torch on one thread for the test; stage processes take the driver's count, so outputs still
     compare with one process's (C1). On CI's 2 cores a driver and 3 stage processes at 2 OpenMP threads
-    each ran the small model's 3-stage generate in 3.4 s, at one thread each in 2.0 s (session 24)."""
+    each ran the small model's 3-stage generate in 3.4 s, at one thread each in 2.0 s."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

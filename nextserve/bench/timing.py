@@ -42,7 +42,7 @@ def ttft_by_mode(engine, modes: dict, lengths: list[int], rounds: int, seed: int
 
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(seed)
-    top = min(9000, engine.model_config.vocab_size)  # ids below 9,000, as the GPU runs of session 19 drew
+    top = min(9000, engine.model_config.vocab_size)  # ids below 9,000, as the recorded GPU runs drew
     times: dict[tuple[str, int], list[float]] = {}
     for r in range(rounds + 1):
         for n in lengths:

@@ -2,10 +2,10 @@
 device, preempted sequences' copies) are carved from and given back to.
 
 # NOTE: locking fresh host memory is a driver call that holds up every launch of the process while it
-# runs, from whichever thread makes it (benchmarks/bench_pinned_alloc.py: a 25 MiB pinned allocation
-# takes 16.4 ms, and 3000 small launches on the main thread took 0.350 s instead of 0.039 s while another
-# thread made them). A store that pinned each image as it spilled slowed the prefills beside it by half
-# (BENCHMARKS.md, issue 19). Carving a region out of memory locked once costs no driver call.
+# runs, from whichever thread makes it (H200: a 25 MiB pinned allocation takes 16.4 ms, and 3000 small
+# launches on the main thread took 0.350 s instead of 0.039 s while another thread made them). A store that
+# pinned each image as it spilled slowed the prefills beside it by half (BENCHMARKS.md, Prefix reuse and
+# agent sessions). Carving a region out of memory locked once costs no driver call.
 """
 
 from __future__ import annotations

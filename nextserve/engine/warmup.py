@@ -14,7 +14,7 @@ prefill chunk was the first whose length was not a multiple of 16).
 # lengths it meets below the chunk gets its two kinds too (`tail_lengths`), as does each class of fla's
 # autotuned L2 norm (ops/gdn.py fla_tune_class: each 4,096 tokens past the first at 16 key heads; the
 # warm-up without it left a first 8,192-token prompt at --prefill-chunk 16384 to tune it, at 1,446 tok/s
-# on an H100, BENCHMARKS.md session 28). With --prefill-batch-chunks, two one-chunk
+# on an H100, BENCHMARKS.md, Prefix reuse and agent sessions). With --prefill-batch-chunks, two one-chunk
 # prompts run together once (a forward of several chunks: the grouped experts over more rows; no kernel
 # takes their row count as a specialised argument, but the path runs before serving all the same).
 # Then it drops its images and counters: the engine starts as if nothing ran.

@@ -113,9 +113,9 @@ def flash_next_layer_types(num_layers: int) -> list[str]:
     return [QSA if i % 4 == 3 else GDN for i in range(num_layers)]
 
 
-# Flash-Next's real widths (FLASH_NEXT.md, "Real config") at issue 6's benchmark depth: 8 layers (QSA at 3
-# and 7), PLE on layer 2 (one-indexed) with a 200,000-row-per-head n-gram base (about 1 GB of table in bf16,
-# where the real 2e7 base needs 102 GB). `preset_overrides` changes the depth and the base.
+# Flash-Next's real widths (FLASH_NEXT.md, "Real config") at the reference checkpoint's depth: 8 layers
+# (QSA at 3 and 7), PLE on layer 2 (one-indexed) with a 200,000-row-per-head n-gram base (about 1 GB of
+# table in bf16, where the real 2e7 base needs 102 GB). `preset_overrides` changes the depth and the base.
 PRESETS["flash-next"] = BASE_FIELDS | {
     "vocab_size": 248320,
     "hidden_size": 2560,

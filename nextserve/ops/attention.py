@@ -7,7 +7,7 @@ import torch
 from .pointwise import rowwise
 from .triton import use_kernel
 
-PREFILL_TILE = 32  # tokens a tile of a prefill row's attention (benchmarks/bench_qsa_prefill.py)
+PREFILL_TILE = 32  # tokens a tile of a prefill row's attention (benchmarks/bench_kernels.py qsa_prefill)
 
 
 def sparse_attention(

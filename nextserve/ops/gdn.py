@@ -27,7 +27,7 @@ def gated_delta_rule(
     # On CUDA, a 16-bit chunk of FLA_MIN_TOKENS or more runs flash-linear-attention's chunked algorithm
     # (`fla_gated_delta_rule`: tensor-core blocks of 64 tokens, the state passed between blocks), where
     # the token-by-token kernel keeps 48 heads' programs busy one token after another (383 ms of a
-    # 1.33 s 62.7K-token prefill on the H200, BENCHMARKS.md session 12). Otherwise (float32, short
+    # 1.33 s 62.7K-token prefill on the H200, BENCHMARKS.md, Long prefill). Otherwise (float32, short
     # chunks, fla not installed) one Triton launch (ops/triton/gdn_chunk.py) runs the decode kernel's
     # per-token code with the state tile in registers (tests/ops/test_gdn_chunk.py compares it with
     # recurrent_step); elsewhere this loop, both kernels' reference. Which path a chunk takes is a
@@ -45,9 +45,9 @@ def gated_delta_rule(
 
 
 # NOTE: fla's call costs 1.35-1.55 ms of host time (nine autotuned Triton launches and fla's layers around
-# them, BENCHMARKS.md session 22), more than the token-by-token kernel's GPU time on chunks of ~1K tokens
+# them, H200), more than the token-by-token kernel's GPU time on chunks of ~1K tokens
 # (a 1,024-token prompt prefilled at 30.8K tok/s with fla on every chunk of 64+, 34.8K without; H200,
-# BENCHMARKS.md session 12): fla from 2,048 on.
+# BENCHMARKS.md, Long prefill): fla from 2,048 on.
 FLA_MIN_TOKENS = 2048
 
 # NOTE: fla's L2 norm of q and k (inside its chunked call) is autotuned per NB = cdiv(rows, 2048 * 32) of

@@ -14,7 +14,7 @@ def default_block_m(pairs: int, num_experts: int) -> int:
     an expert with more pairs than BLOCK_M is cut into more blocks), and 128 (with 8 warps and gate/up tiles
     128 wide) from 64 pairs an expert on (a 4,096-token chunk of Flash-Next: 80). On the H200 that tile took
     a 4,096-token chunk's bf16 experts from 2,335 to 2,115 us and four chunks' together from 5,974 to 5,226
-    (BENCHMARKS.md session 19); FP8 gained 1.23x at 128 in session 16. Each value is a kernel
+    (BENCHMARKS.md, Long prefill); FP8 gained 1.23x at 128 there. Each value is a kernel
     specialisation (engine/warmup.py compiles all); bf16 and FP8 experts take the same."""
     mean = pairs / max(num_experts, 1)
     if mean >= 64:
@@ -72,10 +72,11 @@ def experts(
     # reference model does; in row-invariant mode each row's projections are calls of their own.
     # On CUDA (not float64) the row-invariant path is the grouped decode kernel with fixed blocks
     # (`grouped_decode_experts`, ops/triton/moe_grouped.py; on the H200 0.96x the per-pair GEMV kernel of
-    # ops/triton/moe_decode.py at one row and 1.27x faster at 32, benchmarks/bench_moe_grouped_decode.py),
-    # with no host reads; `_experts_by_row` is its reference. On CUDA (not float64) the grouped path
-    # is the same grouped GEMM with prefill's blocks (`grouped_experts`), also free of host reads; the
-    # per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the CPU path.
+    # ops/triton/moe_decode.py at one row and 1.27x faster at 32: benchmarks/bench_kernels.py
+    # moe_grouped_decode), with no host reads; `_experts_by_row` is its reference. On CUDA (not float64) the
+    # grouped path is the same grouped GEMM with prefill's blocks (`grouped_experts`), also free of host
+    # reads; the per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the
+    # CPU path.
     """
     if row_invariant:
         if use_kernel(x):

@@ -56,8 +56,8 @@ def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tens
     # made the host wait for all the work queued so far at each step's start and at each chunk's first
     # attention layer. Through page-locked memory the copy is queued on the current stream like a kernel;
     # torch's pinned allocator keeps the staging block until the copy has run (it records the copy on the
-    # stream), so the host may drop it at once. Measured on an H200 (benchmarks/bench_upload_ab.py,
-    # BENCHMARKS.md session 19): the same TTFT as the blocking copy for 1K and 16K prompts."""
+    # stream), so the host may drop it at once. Measured on an H200 (BENCHMARKS.md,
+    # Long prefill): the same TTFT as the blocking copy for 1K and 16K prompts."""
     t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)

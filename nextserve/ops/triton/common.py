@@ -10,7 +10,7 @@ tile counters of one-launch reductions.
 #   when the previous grid has completed and its writes are visible). `pdl_start` comes before every
 #   such read; only weights, which no kernel writes, are loaded before it: the small-M GEMM loads a short
 #   split's weight tiles into registers first (gemv.py, PRELOAD: 1.6% less GPU time a c1 step,
-#   BENCHMARKS.md session 9), where prefetching them into L2 had measured no better than not;
+#   BENCHMARKS.md, Tried and dropped), where prefetching them into L2 had measured no better than not;
 # - it calls `gdc_wait` unconditionally, so "the previous grid completed" chains back through every
 #   kernel: a kernel that skipped the wait could complete before its own predecessor.
 # Kernels without the attribute (torch's) are ordered by the stream as usual. PDL changes when a kernel

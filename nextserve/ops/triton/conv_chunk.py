@@ -10,7 +10,7 @@ step (`conv_step.py`) does: equal to the reference to rounding.
 The GDN's conv (K = 4, dilation 1) takes another form with the same arithmetic, `_conv_rows`: a program
 walks 32 rows of a 512-column strip, loading each input row once and keeping the last three in registers.
 At 4,096 rows of the GDN's 10,240 channels it took 78-83 us where the tiles took 155 (H100,
-benchmarks/bench_prefill_pointwise.py --sweep; BENCHMARKS.md session 29), with the tiles' bits
+benchmarks/bench_kernels.py prefill_pointwise --sweep; BENCHMARKS.md, Long prefill), with the tiles' bits
 (tests/ops/test_conv_chunk.py). Other taps and dilations (the PLE's conv) keep the tiles.
 
 # NOTE: tiles and warps are constants and T only sizes the grid: an element's bits depend on its own
@@ -19,7 +19,7 @@ benchmarks/bench_prefill_pointwise.py --sweep; BENCHMARKS.md session 29), with t
 
 With `parts` the output's column ranges [0, P1), [P1, P2), [P2, C) are stored one after another, each a
 contiguous [T, width] block (the GDN's q, k and v, which fla's chunked kernels read contiguous: they
-copied the column slices, 9.4 ms of a 62.7K-token prefill's kernels on the H200, session 21). Where an
+copied the column slices, 9.4 ms of a 62.7K-token prefill's kernels on the H200). Where an
 element is stored changes nothing of its value.
 """
 

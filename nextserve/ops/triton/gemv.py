@@ -11,7 +11,7 @@
 #   arithmetic (the m16n8k16 instruction over the same K steps) at every row position of either block:
 #   padded rows are zeros that never enter a real row's sum, and the same instruction sequence runs
 #   whether 1 or 32 rows are real. On the H200 the 32-row block gives the 16-row block's bits on every
-#   decode projection (bench_small_m_gemm.py's block_m32_equal), and tests/gpu/test_small_m_gemm.py
+#   decode projection (bench_kernels.py small_m_gemm's block_m32_equal), and tests/gpu/test_small_m_gemm.py
 #   checks rows alone against rows in batches of 2..40;
 # - split s of S accumulates its own fixed K range, BLOCK_K tile after tile in ascending order, in
 #   float32. With S > 1 the partials go to a float32 workspace [S, M, N] and a second kernel adds them
@@ -28,7 +28,7 @@
 # cuBLAS, in contrast, may pick its algorithm (and split-K) from M.
 # NOTE: speed: the configuration rule and its measured tables are gemv_config.py's. An FP8 weight's codes
 # become bf16 by bit moves (common.fp8_codes), not by Triton's conversion (five conversion instructions
-# per two codes): the same bits, 1.07-1.16x faster on the decode projections (BENCHMARKS.md, session 17).
+# per two codes): the same bits, 1.07-1.16x faster on the decode projections (BENCHMARKS.md, Decode).
 # The grouped experts keep Triton's conversion: the bit moves there measured slower (same session).
 """
 
@@ -111,7 +111,7 @@ def _small_m_gemm(
     # model's FP8 shapes) preloads all its tiles dequantized per weight (ops/fp8.py's roundings), as
     # `post_scale=False` does, and scales no partial. Scaling them instead made the small preset's FP8
     # engine (K = 256) part from the dequantized checkpoint's within 8 tokens (tests/gpu/test_fp8_engine.py,
-    # session 23). Either way the rule is a function of (N, K, dtype): rows stay invariant.
+    # BENCHMARKS.md, Decode). Either way the rule is a function of (N, K, dtype): rows stay invariant.
     if PRELOAD > 0:
         w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
     if PRELOAD > 1:

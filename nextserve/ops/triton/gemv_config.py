@@ -9,9 +9,9 @@ never of M: it is part of the numerics (gemv.py's NOTE on C1).
 # TARGET_PROGRAMS (2 per SM of a 132-SM H100/H200) 32-wide tiles, and K is split into enough ranges to
 # reach TARGET_PROGRAMS (at most one per BLOCK_K tile), unless the loop is shorter than
 # MIN_SPLIT_K_TILES tiles, not worth the second launch. BLOCK_K keeps each weight tile at 8 KiB, with
-# num_stages - 1 tiles in flight per program. benchmarks/bench_small_m_gemm.py --sweep measures the
+# num_stages - 1 tiles in flight per program. benchmarks/bench_kernels.py small_m_gemm --sweep measures the
 # alternatives. An FP8 weight has its own rule (`gemv_config(..., fp8=True)`): tiles of one 128-column scale
-# block, up to 8 KiB of FP8 codes; benchmarks/bench_fp8_gemv.py --sweep measures those.
+# block, up to 8 KiB of FP8 codes; benchmarks/bench_kernels.py fp8_gemv --sweep measures those.
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ class Config(NamedTuple):
 
 
 # Shapes whose measured best configuration beats the rule's by more than the run-to-run spread (H200,
-# `benchmarks/bench_small_m_gemm.py --sweep`, cold weights, M = 1; BENCHMARKS.md, session 6). Like the
+# `benchmarks/bench_kernels.py small_m_gemm --sweep`, cold weights, M = 1; H200). Like the
 # rule, a function of (N, K, dtype): part of the numerics, never of M.
 TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {  # (block_n, block_k, K splits)
     # the attention output projections (GDN out, QSA o_proj): 12.5 us against the rule's 16.0
     (2560, 6144, torch.bfloat16): (64, 64, 8),
-    # the hyper-connection down|inject stack, measured in the engine's graph (session 26): 8 FP8 layers'
-    # c1 replay 1.296 ms against the rule's 1.333
+    # the hyper-connection down|inject stack, measured in the engine's graph (BENCHMARKS.md, Decode): 8 FP8
+    # layers' c1 replay 1.296 ms against the rule's 1.333
     (324, 10240, torch.bfloat16): (32, 256, 20),
 }
 FP8_BLOCK_K = 128  # an FP8 tile's K columns: one scale block, so its partial is scaled once per column
 FP8_TILE_BYTES = 8192
 # an FP8 stage holds half a 16-bit stage's weight bytes; measured in the engine's CUDA graphs, not alone
-FP8_NUM_STAGES = 8  # (BENCHMARKS.md, session 23)
+FP8_NUM_STAGES = 8  # (BENCHMARKS.md, Decode)
 # FP8 weights' measured best configurations (the same bench, `--fp8`), keyed like TUNED
 FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
     (13952, 2560, torch.bfloat16): (32, 128, 2),  # QSA in_proj: 19.9 us against the rule's 21.0

@@ -15,7 +15,7 @@ Reference: `_experts_by_row` in nextserve/ops/moe.py (per row, its experts in as
 # NOTE: default blocks, for M=1 at the real sizes (H=2560, I=640, k=10) on an H200 (132 SMs): kernel 1
 # has 10 * 640/16 = 400 programs and kernel 2 2560/8 = 320, each resident at once (about 80 and 140
 # registers a thread, 4 warps: 6 and 3 programs an SM), so no second partial wave, with 16-20 KB of
-# weight loads in flight per program. The benchmark (benchmarks/bench_moe_decode.py) sweeps them.
+# weight loads in flight per program. The benchmark (benchmarks/bench_kernels.py moe_decode) sweeps them.
 # NOTE: the roundings follow the reference: gate and up rounded to the model dtype (as F.linear's
 # output is), silu and the product rounded to it, y = down·act rounded to it, then
 # acc = acc + (y * w) with each step rounded to it. Only the order inside each dot differs

@@ -47,8 +47,8 @@ run the same kernels:
 # rows are likely still in L2 when its next tile reads them (with blocks first, every block's rows were
 # gathered again for each tile, a wave of blocks later; the L2 traffic itself was not measured). Four
 # 4,096-token chunks' bf16 experts took 4,182 us against 4,511, a 1,024-token chunk's 1,318 against 1,431
-# (H200, BENCHMARKS.md session 22).
-# benchmarks/bench_moe_prefill.py and bench_moe_together.py sweep them.
+# (H200).
+# benchmarks/bench_kernels.py moe_prefill and moe_together sweep them.
 # NOTE: speed at the real sizes (H=2560, I=640, E=512, k=10, bf16: 9.8 MB of weights an expert) on an
 # H200. Decode is bound by streaming the distinct experts' weights (M=1: 10 experts, 98 MB; M=32: ~240
 # experts, 2.4 GB); a block holds 1.0-1.4 real pairs on average at M <= 32, so the MMA rows are mostly
@@ -56,7 +56,7 @@ run the same kernels:
 # programs at M=1: gate/up tiles of 32 x 128 (2 x 8 KB a stage, 4 stages; 10 x 20 = 200 programs at
 # M=1), down tiles of 64 x 128 (16 KB a stage; 10 x 40 = 400 programs at M=1). FP8 weights at one row
 # run 8 stages (`decode_stages`).
-# benchmarks/bench_moe_grouped_decode.py compares decode with routed_experts and sweeps the blocks.
+# benchmarks/bench_kernels.py moe_grouped_decode compares decode with routed_experts and sweeps the blocks.
 # NOTE: the roundings follow the reference: gate and up rounded to the model dtype (as F.linear's
 # output is), silu and the product rounded to it, y rounded to it, y * w rounded to it, then
 # out = out + y * w rounded to it after each expert. Only the order inside each dot differs (float32
@@ -82,7 +82,7 @@ STAGES = 4  # the pipeline depth of the 16-bit kernels, and of FP8 ones past FP8
 # not depend on it and it may follow M. An FP8 stage carries half a 16-bit stage's weight bytes; at one
 # row (11 blocks: 220 gate/up and 440 down programs) 8 stages cut the FP8 graph replay from 1.46 to 1.34 ms
 # at 8 layers and from 7.03 to 6.27 ms at 48; at 2 rows they were even, at 8 rows (fewer programs fit an
-# SM) 14% slower. 16-bit weights at 6 or 8 stages gained nothing (BENCHMARKS.md, session 24).
+# SM) 14% slower. 16-bit weights at 6 or 8 stages gained nothing (BENCHMARKS.md, Decode).
 FP8_DEEP_STAGES = 8
 FP8_DEEP_ROWS = 1
 # NOTE: Triton holds (num_stages - 1) tiles of A and B in shared memory; float32 tiles of the wide prefill
@@ -90,7 +90,7 @@ FP8_DEEP_ROWS = 1
 # capped where a stage is that big (no 16-bit or FP8 configuration is). It is also capped at the K loop's
 # tile count: the FP8 decode `_down` (I = 640: 5 tiles) ran 8 stages, whose unfilled buffers kept programs
 # off the SMs; at 5 its eager time at one row fell from 0.100 to 0.084 ms over 8 layers (BENCHMARKS.md,
-# session 25).
+# Decode).
 TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may hold
 
 

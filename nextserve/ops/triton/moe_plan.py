@@ -28,7 +28,7 @@ PLAN_Q = 32  # pairs compared per step of the plan's loops
 PLAN_SMALL = 64  # pairs planned by one _plan_small program ([64, 64] comparisons; [E, n] work beyond)
 # NOTE: the plans' [P, P] and [E_PAD, Q] temporaries live in registers: warps chosen so that ptxas (sm_90)
 # spills nothing (_plan at E_PAD = 1024, i.e. 512 experts + the shared one, spilled at 4 warps). On the
-# H200, _plan_small at 128 pairs took 65 us a call against 16-warp _plan's (bench_decode_blocks.py).
+# H200, _plan_small at 128 pairs took 65 us a call against 16-warp _plan's (bench_kernels.py decode_blocks).
 PLAN_WARPS = 16
 PLAN_SMALL_WARPS = 8
 _INT_BIG = 1 << 30  # an id above every expert: masked pairs count nowhere

@@ -12,7 +12,7 @@ Reference: `nextserve.ops.norms.rms_norm` / `rms_norm_gated` on the CPU.
 # many there are (C1) - by construction. Nothing is read to the host, so a launch can be captured. Rows
 # are addressed through an [R0, R1, D] view with two strides, so a head-split slice of a stacked projection
 # ([T, heads, D], a token's rows a projection's width apart) is read in place rather than copied (those
-# copies took 9.5 ms of a 62.7K-token prefill's kernels on the H200, session 21).
+# copies took 9.5 ms of a 62.7K-token prefill's kernels on the H200).
 """
 
 from __future__ import annotations

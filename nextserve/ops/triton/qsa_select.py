@@ -177,8 +177,8 @@ class SelectTiles:
 # 300 to 65536 valid blocks; 32 bins is one per lane of a warp). A prefill chunk's thousands of rows fill
 # every SM many times over, where 8 warps and narrower write tiles took a 4,096-row chunk at positions
 # 57,344.. from 1,282 to 872 us and one at 12,288.. from 437 to 248 us on an H100, with the same tokens
-# (benchmarks/bench_qsa_select.py; BENCHMARKS.md, session 30). PREFILL_ROWS, from the two configurations
-# timed side by side at 32 to 4,096 rows (H100, session 31): the defaults lead up to 128 rows (49 against
+# (benchmarks/bench_kernels.py qsa_select; BENCHMARKS.md, Long prefill). PREFILL_ROWS, from the two
+# configurations timed side by side at 32 to 4,096 rows (H100): the defaults lead up to 128 rows (49 against
 # 55 us at 32 rows near 61K), 8 warps from 256 on (88 against 95 us at 256, 141 against 179 at 512).
 DECODE_TILES = SelectTiles()
 PREFILL_TILES = SelectTiles(tile_s=1024, tile_small=512, num_warps=8)

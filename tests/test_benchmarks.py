@@ -1,0 +1,151 @@
+"""benchmarks/ as a user meets it: every script answers --help, every command BENCHMARKS.md and
+benchmarks/README.md print names a script that exists and flags that script takes, and the CPU-sized tools
+run for real and print their JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nextserve.cli import main as cli_main
+from nextserve.engine_config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+KERNELS = sorted(p.stem for p in (BENCH / "kernels").glob("*.py") if p.stem != "__init__")
+DOCS = [ROOT / "BENCHMARKS.md", BENCH / "README.md"]
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def help_text(script: str, *args: str) -> str:
+    """What `python benchmarks/SCRIPT [args] --help` prints, run in this process (a subprocess a script
+    would import torch anew each time); sys.path and sys.modules are put back after."""
+    path, modules, argv = list(sys.path), set(sys.modules), sys.argv
+    out = io.StringIO()
+    sys.argv = [str(BENCH / script), *args, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+            runpy.run_path(str(BENCH / script), run_name="__main__")
+        assert done.value.code in (0, None), (script, args, done.value.code)
+    finally:
+        sys.path[:], sys.argv = path, argv
+        for name in set(sys.modules) - modules:
+            if name == "kernels" or name.startswith("kernels.") or name in ("workload",):
+                del sys.modules[name]
+    return out.getvalue()
+
+
+def doc_commands() -> list[str]:
+    """Every `python benchmarks/...` and `nextserve bench ...` command the two docs print."""
+    cmds = []
+    for doc in DOCS:
+        text = doc.read_text()
+        cmds += re.findall(r"`((?:PYTHONPATH=\S+ )?python3? benchmarks/[^`]+)`", text)
+        cmds += re.findall(r"`(nextserve bench [^`]+)`", text)
+    return cmds
+
+
+def test_benchmarks_has_about_a_dozen_tools_each_listed_in_its_readme() -> None:
+    readme = (BENCH / "README.md").read_text()
+    assert 8 <= len(SCRIPTS) <= 16, SCRIPTS
+    for script in SCRIPTS:
+        assert f"`{script}`" in readme, f"{script} is not listed in benchmarks/README.md"
+    for name in KERNELS:
+        assert name in (BENCH / "bench_kernels.py").read_text(), f"bench_kernels.py does not list {name}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help(script: str) -> None:
+    assert "usage" in help_text(script).lower() or script == "bench_kernels.py"
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_every_kernel_benchmark_answers_help(name: str) -> None:
+    assert f"bench_kernels.py {name}" in help_text("bench_kernels.py", name)
+
+
+def test_an_unknown_kernel_benchmark_is_refused(capsys) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_kernels import main
+    finally:
+        sys.path.remove(str(BENCH))
+    assert main(["no_such_kernel"]) == 2
+    assert "one of:" in capsys.readouterr().err
+
+
+def test_the_docs_print_commands_at_all() -> None:
+    cmds = doc_commands()
+    assert len(cmds) >= 20, cmds
+    assert any("nextserve_side.py" in c for c in cmds) and any("nextserve bench" in c for c in cmds)
+
+
+@pytest.mark.parametrize("cmd", doc_commands())
+def test_every_printed_command_names_a_script_and_flags_it_takes(cmd: str) -> None:
+    if cmd.startswith("nextserve bench"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            cli_main(["bench", "--help"])
+        known, flags = out.getvalue(), FLAG.findall(cmd)
+    else:
+        rel = re.search(r"benchmarks/(\S+\.py)", cmd).group(1)
+        assert (BENCH / rel).exists(), f"{cmd}: no benchmarks/{rel}"
+        if rel.startswith("reference/"):
+            return  # the shared recipe, run as it ships
+        words = cmd.split(rel, 1)[1].split()
+        if rel == "bench_kernels.py":
+            assert words and words[0] in KERNELS, cmd
+            known = help_text(rel, words[0])
+        else:
+            known = help_text(rel)
+        flags = FLAG.findall(cmd.split(rel, 1)[1])
+        if rel == "nextserve_side.py":
+            # its flags are engine flags, EngineConfig's fields with dashes
+            for flag in flags:
+                assert flag[2:].replace("-", "_") in EngineConfig.__dataclass_fields__, (cmd, flag)
+            return
+    for flag in flags:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", known), (
+            f"{cmd}: {flag} is not a flag of it"
+        )
+
+
+def run_json(*argv: str) -> dict:
+    """A CPU tool run for real as a user runs it: its last stdout JSON object."""
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    start = done.stdout.index("{")
+    return json.loads(done.stdout[start:])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["benchmarks/bench_prefix.py", "--turns", "2", "--system-tokens", "64", "--message-tokens", "16",
+         "--reply-tokens", "4", "--prefill-chunk", "32"],
+        ["benchmarks/bench_speculative.py", "--tokens", "8", "--widths", "1", "--rounds", "1",
+         "--threads", "1"],
+        ["benchmarks/mtp_acceptance.py", "--files", "1", "--prompt-tokens", "32", "--new-tokens", "8",
+         "--val-windows", "1", "--threads", "1"],
+    ],
+    ids=["bench_prefix", "bench_speculative", "mtp_acceptance"],
+)  # fmt: skip
+def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
+    res = run_json(*argv)
+    text = json.dumps(res)
+    assert "revision" in text and "hardware" in text, sorted(res)
+    if argv[0].endswith("bench_prefix.py"):
+        # the cold side resumes nothing (it did while prefix reuse, on by default, was left on there)
+        assert set(res["cold"]["cached_tokens"]) == {0} and res["prefix_reuse"]["cached_tokens"][1] > 0, res
+        assert res["outputs_identical"] is True
