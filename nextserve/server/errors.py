@@ -44,6 +44,15 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param=param, code=code)
 
 
+def warn_ignored(route: str, fields: list[str], tools: list[str] = ()) -> None:
+    """One warning line for what a request brought that this server ignores: unknown top-level fields, and
+    tools it cannot run (left out of the prompt)."""
+    parts = [f"unknown fields {', '.join(sorted(fields))}"] if fields else []
+    parts += [f"tools this server cannot run, left out of the prompt: {', '.join(tools)}"] if tools else []
+    if parts:
+        log.warning("%s: ignored %s", route, "; ".join(parts))
+
+
 def failure_error(out: RequestOutput) -> APIError:
     """The error of an output that ended in failure ("error") or was aborted by a shutdown ("abort")."""
     if out.finish_reason == "error":

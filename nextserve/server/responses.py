@@ -5,8 +5,13 @@ stored responses `previous_response_id` chains) as the chat route's request, and
 Responses, and prefix reuse works across them.
 
 # NOTE: choices where the API is wider than this server:
-# - only `function` tools (built-in tools such as web_search or file_search are a 400 naming the tool);
-#   `item_reference` items, `background`, `conversation` and `prompt` templates are refused (400);
+# - `function` tools, and `namespace` tools flattened into their function tools (the model sees each
+#   function by its own name; a call comes back as a function_call item with that name and its
+#   `namespace`; two functions of one name are a 400). Built-in tools (web_search, file_search, ...,
+#   which Codex sends by default) are left out of the prompt with one warning line, so the model never
+#   calls them; a tool_choice that names one is a 400;
+# - `item_reference` items, `background`, `conversation` and `prompt` templates are refused (400);
+# - unknown top-level fields (Codex's `client_metadata`) are accepted and ignored with one warning line;
 # - reasoning items of earlier turns go to the template as the next assistant turn's `reasoning_content`
 #   (the template decides whether to render them); `reasoning.effort` "none" turns the template's
 #   `enable_thinking` off; the answer's thinking comes back as a `reasoning` item with `reasoning_text`
@@ -108,17 +113,66 @@ InputItem = Annotated[
 
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    type: str
-    name: str | None = None
+    type: Literal["function"]
+    name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    defer_loading: bool | None = None
+
+
+class NamespaceTool(BaseModel):
+    """Function tools grouped under a name (module NOTE: flattened)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["namespace"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class BuiltinTool(BaseModel):
+    """A tool OpenAI's servers run (web_search, file_search, code_interpreter, ...): left out (NOTE)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+def _tool_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return kind if kind in ("function", "namespace") else "builtin"
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[BuiltinTool, Tag("builtin")],
+    Discriminator(_tool_kind),
+]
 
 
 class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     name: str
+
+
+class NamedBuiltin(BaseModel):
+    """A tool_choice naming a built-in tool ({"type": "web_search"}) or allowed tools: refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+def _choice_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return "function" if kind == "function" else "other"
+
+
+ToolChoice = Annotated[
+    Annotated[NamedFunction, Tag("function")] | Annotated[NamedBuiltin, Tag("other")],
+    Discriminator(_choice_kind),
+]
 
 
 class TextFormat(BaseModel):
@@ -141,13 +195,13 @@ class ReasoningConfig(BaseModel):
 
 
 class InputTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields: module NOTE
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
@@ -268,18 +322,35 @@ def input_messages(req: InputTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(tools: list[FunctionTool] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.type != "function":
-            raise ValueError(f"tools.{i}.type: only function tools are supported, not {t.type!r}")
-        if not t.name:
-            raise ValueError(f"tools.{i}.name: a function tool needs a name")
-        fn = {"name": t.name, "description": t.description, "parameters": t.parameters or {"type": "object"}}
-        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
-    return out
+def builtin_tools(req: InputTokensRequest) -> list[str]:
+    """The built-in tools the request names (left out of the prompt: module NOTE)."""
+    return [t.type for t in req.tools or [] if isinstance(t, BuiltinTool)]
+
+
+def namespaces(req: InputTokensRequest) -> dict[str, str]:
+    """The namespace of each function that came in a namespace tool, by the function's name."""
+    return {f.name: t.name for t in req.tools or [] if isinstance(t, NamespaceTool) for f in t.tools}
+
+
+def _tools(tools: list | None) -> list[dict[str, Any]] | None:
+    """The function tools, namespaces flattened, as the chat route's tools (None: none)."""
+    out: list[dict[str, Any]] = []
+    where: dict[str, str] = {}
+    for i, t in enumerate(tools or []):
+        group = [(f"tools.{i}", t)] if isinstance(t, FunctionTool) else []
+        if isinstance(t, NamespaceTool):
+            group = [(f"tools.{i}.tools.{j}", f) for j, f in enumerate(t.tools)]
+        for at, f in group:
+            if f.name in where:
+                raise ValueError(f"{at}.name: {f.name!r} is also the function at {where[f.name]}")
+            where[f.name] = at
+            fn = {
+                "name": f.name,
+                "description": f.description,
+                "parameters": f.parameters or {"type": "object"},
+            }
+            out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out or None
 
 
 def chat_request(
@@ -299,6 +370,10 @@ def chat_request(
     body: dict[str, Any] = {"model": req.model, "messages": system + conversation}
     if (tools := _tools(req.tools)) is not None:
         body["tools"] = tools
+    if isinstance(req.tool_choice, NamedBuiltin):
+        kind = req.tool_choice.type
+        what = "a set of allowed tools" if kind == "allowed_tools" else f"the built-in tool {kind!r}"
+        raise ValueError(f"tool_choice: {what} is not supported: name a function tool, or auto/required/none")
     if isinstance(req.tool_choice, NamedFunction):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     elif req.tool_choice is not None:

@@ -61,11 +61,16 @@ async def start_chat(
     max_tokens: int | None,
     logprobs: int | None,
     fields: tuple[str, str] = ("messages", "max_tokens"),
+    clamp: bool = False,
 ) -> tuple[Generation, list[int], dict[str, Any] | None]:
     """A checked chat request (also the Messages and Responses dialects', translated) queued to the engine:
     its Generation, prompt ids and the tools its answer may call, name -> parameters schema (None: no tool
-    calls are parsed). `fields`: the dialect's names of the conversation and max_tokens, for errors."""
+    calls are parsed). `fields`: the dialect's names of the conversation and max_tokens, for errors.
+    `clamp`: a max_tokens past the context's room is cut to that room (the answer then ends at the context's
+    end, as a length stop) rather than refused."""
     ids, checkpoint = await chat_prompt(srv, request, req, fields[0])
+    if clamp and max_tokens is not None:
+        max_tokens = max(1, min(max_tokens, srv.max_context - len(ids)))
     check_length(srv, len(ids), max_tokens, *fields)
     params = sampling_params(srv, req, max_tokens, logprobs)
     tool_mode = bool(req.tools) and req.tool_choice != "none"

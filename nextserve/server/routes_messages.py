@@ -16,7 +16,7 @@ from ..engine.outputs import RequestOutput
 from . import anthropic as A
 from .answer_stream import AnswerStream
 from .body import BodyTooLarge, parse_body
-from .errors import APIError, failure_error, log
+from .errors import APIError, failure_error, log, warn_ignored
 from .generation import CLIENT_GONE, Generation, failed
 from .prepare import ClientGone
 from .reasoning import reasoning_opened, split_reasoning
@@ -36,6 +36,7 @@ async def _chat_of(srv: ServerState, request: Request, model: type) -> tuple[Any
     raw = await request.body()
     req = await srv.prep.run(request, parse_body, raw, model, srv.limits)
     chat = translated_chat(srv, lambda context: A.chat_request(req, context))
+    warn_ignored(request.url.path, list(req.model_extra or {}), A.server_tools(req))
     return req, checked_chat(srv, chat)
 
 
@@ -64,7 +65,9 @@ async def messages(srv: ServerState, request: Request) -> Response:
 async def _messages(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         req, chat = await _chat_of(srv, request, A.MessagesRequest)
-        gen, ids, names = await start_chat(srv, request, chat, req.max_tokens, None)
+        # NOTE: Anthropic clients send their model's output maximum (Claude Code: 64,000) whatever the
+        # context, so max_tokens is an upper bound here: cut to the room the context leaves
+        gen, ids, names = await start_chat(srv, request, chat, req.max_tokens, None, clamp=True)
     reply = _Reply(srv, gen, req, names, reasoning_opened(srv, ids))
     if req.stream:
         return EventStream(reply.events(), on_close=gen.close, request_id=reply.id)

@@ -16,7 +16,7 @@ from ..engine.outputs import RequestOutput
 from . import responses as R
 from .answer_stream import AnswerStream
 from .body import parse_body
-from .errors import APIError, failure_error
+from .errors import APIError, failure_error, warn_ignored
 from .generation import CLIENT_GONE, Generation, failed
 from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, checked_chat, start_chat, translated_chat
@@ -43,6 +43,7 @@ async def _chat_of(srv: ServerState, request: Request, model: type) -> tuple[Any
         if previous is None:
             raise _not_found(req.previous_response_id)
     chat, conversation = translated_chat(srv, lambda context: R.chat_request(req, previous, context))
+    warn_ignored(request.url.path, list(req.model_extra or {}), R.builtin_tools(req))
     return req, checked_chat(srv, chat), conversation
 
 
@@ -70,7 +71,9 @@ async def create(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         req, chat, conversation = await _chat_of(srv, request, R.ResponsesRequest)
         fields = ("input", "max_output_tokens")
-        gen, ids, names = await start_chat(srv, request, chat, req.max_output_tokens, None, fields)
+        gen, ids, names = await start_chat(
+            srv, request, chat, req.max_output_tokens, None, fields, clamp=True
+        )
     reply = _Reply(srv, gen, req, names, reasoning_opened(srv, ids), conversation, _tenant(request))
     if req.stream:
         return EventStream(reply.events(), on_close=gen.close, request_id=reply.id)
@@ -91,6 +94,7 @@ class _Reply:
         self.srv, self.gen, self.req, self.names, self.opened = srv, gen, req, names, opened
         self.conversation, self.tenant = conversation, tenant
         self.id, self.created = R.new_id("resp"), int(time.time())
+        self.namespaces = R.namespaces(req)
 
     def usage(self, out: RequestOutput, reasoning: str) -> dict[str, Any]:
         n_out = len(out.token_ids)
@@ -122,7 +126,8 @@ class _Reply:
                 text, calls = answer, []
         if text:
             items.append(_message_item(R.new_id("msg"), text))
-        items += [_call_item(R.new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+        ns = self.namespaces
+        items += [_call_item(R.new_id("fc"), c.id, c.name, c.arguments, ns.get(c.name)) for c in calls]
         return items
 
     def finish(self, out: RequestOutput, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -138,7 +143,7 @@ class _Reply:
     async def events(self) -> AsyncIterator[str]:
         gen, seq = self.gen, _Sequence()
         answer = AnswerStream(gen.params.stop, self.opened, self.names)
-        items = _Items(seq)
+        items = _Items(seq, self.namespaces)
         yield seq.event("response.created", response=self.body("in_progress", [], None))
         yield seq.event("response.in_progress", response=self.body("in_progress", [], None))
         try:
@@ -176,8 +181,8 @@ class _Items:
     """Output items as the stream opens and closes them: a reasoning item, a message item with one
     output_text part, a function_call item per call; `done` holds the closed ones, complete."""
 
-    def __init__(self, seq: _Sequence) -> None:
-        self.seq = seq
+    def __init__(self, seq: _Sequence, namespaces: dict[str, str]) -> None:
+        self.seq, self.namespaces = seq, namespaces
         self.done: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the open item, its text gathered in place
 
@@ -238,7 +243,8 @@ class _Items:
             return out + [self.seq.event("response.output_text.delta", **self._where(), content_index=0,
                                          delta=ev.text, logprobs=[])]  # fmt: skip
         if isinstance(ev, CallStart):
-            return self._added(_call_item(R.new_id("fc"), ev.id, ev.name, "", "in_progress"))
+            ns = self.namespaces.get(ev.name)
+            return self._added(_call_item(R.new_id("fc"), ev.id, ev.name, "", ns, "in_progress"))
         assert isinstance(ev, CallArgs)
         self.open["arguments"] += ev.text
         return [self.seq.event("response.function_call_arguments.delta", **self._where(), delta=ev.text)]
@@ -258,10 +264,11 @@ def _message_item(mid: str, text: str, status: str = "completed") -> dict[str, A
 
 
 def _call_item(
-    fid: str, call_id: str, name: str, arguments: str, status: str = "completed"
+    fid: str, call_id: str, name: str, arguments: str, namespace: str | None = None, status: str = "completed"
 ) -> dict[str, Any]:
-    return {"type": "function_call", "id": fid, "call_id": call_id, "name": name, "arguments": arguments,
+    item = {"type": "function_call", "id": fid, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}  # fmt: skip
+    return item | ({"namespace": namespace} if namespace is not None else {})
 
 
 def _is_object(arguments: str) -> bool:

@@ -48,7 +48,7 @@ SETTINGS: dict[str, dict] = {
             "linear_value_head_dim": 64,
             "linear_num_key_heads": 2,
             "linear_num_value_heads": 4,
-            "max_position_embeddings": 8192,
+            "max_position_embeddings": 65536,
             "num_experts": 8,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 128,

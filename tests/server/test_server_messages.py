@@ -68,6 +68,22 @@ def test_tool_round_trip(server) -> None:
     assert_pool_full(server.wait_idle())
 
 
+def test_max_tokens_past_the_context_is_cut_to_the_room_left(server) -> None:
+    """Claude Code sends max_tokens 64,000 whatever the context: the answer runs to the context's end and
+    stops there with stop_reason max_tokens (the chat route, OpenAI's semantics, still refuses it)."""
+    body = GOOD | {"max_tokens": 64000, "ignore_eos": True, "temperature": 0}
+    r = _post(server, "/messages", body)
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    used = (
+        msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"] + msg["usage"]["output_tokens"]
+    )
+    assert msg["stop_reason"] == "max_tokens" and used == server.engine.config.max_context, msg["usage"]
+    chat = {"model": MODEL_NAME, "messages": GOOD["messages"], "max_tokens": 64000}
+    status, _, raw = server.request("POST", "/v1/chat/completions", chat)
+    assert status == 400 and b"context" in raw
+
+
 def test_stop_sequence_is_reported(server) -> None:
     c = client(server)
     text = (
@@ -140,7 +156,16 @@ BAD = [
     (GOOD | {"max_tokens": 0}, "max_tokens"),
     (GOOD | {"max_tokens": "4"}, "max_tokens"),
     (GOOD | {"messages": []}, "messages"),
-    (GOOD | {"messages": [{"role": "system", "content": "x"}]}, "role"),
+    (GOOD | {"messages": [{"role": "tool", "content": "x"}]}, "role"),
+    (
+        GOOD
+        | {
+            "messages": [
+                {"role": "system", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}
+            ]
+        },
+        "system message",
+    ),
     (GOOD | {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     (GOOD | {"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages"),
     (GOOD | {"temperature": 1.5}, "temperature"),
@@ -154,9 +179,23 @@ BAD = [
     (GOOD | {"tool_choice": {"type": "sometimes"}}, "tool_choice"),
     (GOOD | {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
     (GOOD | {"thinking": {"type": "maybe"}}, "thinking"),
-    (GOOD | {"unknown_field": 1}, "unknown_field"),
+    (
+        GOOD | {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "colour": "red"}]}]},
+        "colour",
+    ),
+    (GOOD | {"tools": [WEATHER | {"colour": "red"}]}, "colour"),
+    (
+        GOOD
+        | {
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            "tool_choice": {"type": "tool", "name": "web_search"},
+        },
+        "server tool",
+    ),
+    (GOOD | {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+    (GOOD | {"output_config": {"format": {"type": "json_schema"}}}, "schema"),
+    (GOOD | {"thinking": {"type": "adaptive", "budget_tokens": -1}}, "budget_tokens"),
     (GOOD | {"cache_salt": ""}, "cache_salt"),
-    (GOOD | {"max_tokens": 10**9}, "max_tokens"),
 ]
 
 

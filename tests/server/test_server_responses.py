@@ -250,10 +250,17 @@ BAD = [
     (GOOD | {"input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),
     (GOOD | {"max_output_tokens": 0}, "max_output_tokens"),
     (GOOD | {"max_output_tokens": "4"}, "max_output_tokens"),
-    (GOOD | {"max_output_tokens": 10**9}, "max_output_tokens"),
     (GOOD | {"temperature": 3}, "temperature"),
     (GOOD | {"top_p": 0}, "top_p"),
-    (GOOD | {"tools": [{"type": "web_search"}]}, "web_search"),
+    (GOOD | {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "web_search"),
+    (GOOD | {"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto"}}, "allowed"),
+    (GOOD | {"tools": [WEATHER, WEATHER]}, "also the function"),
+    (
+        GOOD | {"tools": [{"type": "namespace", "name": "ns", "tools": [WEATHER]}, WEATHER]},
+        "also the function",
+    ),
+    (GOOD | {"tools": [WEATHER | {"colour": "red"}]}, "colour"),
+    (GOOD | {"tools": [{"type": "namespace", "name": "ns"}]}, "tools"),
     (GOOD | {"tools": [{"type": "function"}]}, "name"),
     (GOOD | {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     (GOOD | {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
@@ -264,7 +271,7 @@ BAD = [
     (GOOD | {"conversation": "conv_1"}, "conversation"),
     (GOOD | {"store": "yes"}, "store"),
     (GOOD | {"top_logprobs": 3}, "top_logprobs"),
-    (GOOD | {"unknown_field": 1}, "unknown_field"),
+    (GOOD | {"input": [{"role": "user", "content": [{"type": "input_video", "video": "x"}]}]}, "input"),
     (GOOD | {"cache_salt": ""}, "cache_salt"),
 ]
 
