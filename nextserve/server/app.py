@@ -35,6 +35,7 @@ from .prepare import ClientGone
 from .responses import InputTokensRequest, ResponsesRequest
 from .routes_messages import anthropic_error
 from .state import ServerState
+from .streaming import GONE_KEY
 from .tenants import TENANT_KEY, tenant_salt
 
 request_log = logging.getLogger("nextserve.requests")
@@ -87,6 +88,9 @@ class _Middleware:
                 return
             await self.app(scope, _counted(receive, limit), send_status)
         finally:
+            if scope.get(GONE_KEY):
+                status[0] = CLIENT_GONE
+                fields.setdefault("error", "the client disconnected")
             endpoint = (
                 path
                 if path in _ENDPOINTS

@@ -90,10 +90,15 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 # ---- handlers ---------------------------------------------------------------------------------------
 
 
-def _respond(request: Request, err: APIError) -> JSONResponse:
+def log_error(request: Request, err: APIError) -> None:
+    """The request's log line (and its metrics) carry the error and the field it names."""
     fields = request.scope.get(LOG_KEY)
     if fields is not None:
         fields.update(error=err.message[:300], error_param=err.param)
+
+
+def _respond(request: Request, err: APIError) -> JSONResponse:
+    log_error(request, err)
     return err.response()
 
 

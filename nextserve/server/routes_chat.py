@@ -20,7 +20,15 @@ from .reasoning import ReasoningSplitter, reasoning_opened, split_reasoning
 from .render import encode_chat
 from .state import ServerState
 from .streaming import TextStream
-from .tool_calls import CallArgs, CallStart, ContentDelta, Event, ToolCallParser, parse_tool_calls
+from .tool_calls import (
+    CallArgs,
+    CallStart,
+    ContentDelta,
+    Event,
+    ToolCallParser,
+    is_json_object,
+    parse_tool_calls,
+)
 
 T = TypeVar("T")
 
@@ -99,11 +107,12 @@ async def chat_completions(srv: ServerState, request: Request) -> Response:
         calls = []
         if names is not None:
             parsed = parse_tool_calls(content, names)
-            content = parsed.content
-            calls = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in parsed.calls
-            ]
+            if all(is_json_object(c.arguments) for c in parsed.calls):  # else cut short: the text as is
+                content = parsed.content
+                calls = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parsed.calls
+                ]
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         lps = {"content": _logprobs(srv, out, 0, gen.visible_count(out))} if req.logprobs else None
         message = {"role": "assistant", "content": content, "tool_calls": calls}

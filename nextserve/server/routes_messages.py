@@ -16,7 +16,7 @@ from ..engine.outputs import RequestOutput
 from . import anthropic as A
 from .answer_stream import AnswerStream
 from .body import BodyTooLarge, parse_body
-from .errors import APIError, failure_error, log, warn_ignored
+from .errors import APIError, failure_error, log, log_error, warn_ignored
 from .generation import CLIENT_GONE, Generation, failed
 from .prepare import ClientGone
 from .reasoning import reasoning_opened, split_reasoning
@@ -46,6 +46,7 @@ async def count_tokens(srv: ServerState, request: Request) -> Response:
             _, chat = await _chat_of(srv, request, A.CountTokensRequest)
             ids, _ = await chat_prompt(srv, request, chat)
     except APIError as exc:
+        log_error(request, exc)
         return anthropic_error(exc)
     return JSONResponse({"input_tokens": len(ids)})
 
@@ -54,12 +55,15 @@ async def messages(srv: ServerState, request: Request) -> Response:
     try:
         return await _messages(srv, request)
     except APIError as exc:
+        log_error(request, exc)
         return anthropic_error(exc)
     except (ClientGone, BodyTooLarge):
         raise  # the app's handlers answer these (499, 413 in this dialect's shape via the middleware)
     except Exception as exc:  # noqa: BLE001 - a bug: answered in this dialect's shape, and logged
         log.exception("internal error on /v1/messages")
-        return anthropic_error(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+        err = APIError(500, f"internal error: {type(exc).__name__}", "server_error")
+        log_error(request, err)
+        return anthropic_error(err)
 
 
 async def _messages(srv: ServerState, request: Request) -> Response:

@@ -4,7 +4,6 @@ stored responses); output items and streamed events in that dialect's shapes, er
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +22,7 @@ from .routes_chat import chat_prompt, checked_chat, start_chat, translated_chat
 from .state import ServerState
 from .streaming import KEEPALIVE, EventStream
 from .tenants import TENANT_KEY
-from .tool_calls import CallArgs, CallStart, ContentDelta, parse_tool_calls
+from .tool_calls import CallArgs, CallStart, ContentDelta, is_json_object, parse_tool_calls
 
 
 def _tenant(request: Request) -> str:
@@ -122,12 +121,14 @@ class _Reply:
         if self.names is not None:
             parsed = parse_tool_calls(answer, self.names)
             text, calls = parsed.content or "", parsed.calls
-            if any(not _is_object(c.arguments) for c in calls):
+            if any(not is_json_object(c.arguments) for c in calls):
                 text, calls = answer, []
         if text:
             items.append(_message_item(R.new_id("msg"), text))
         ns = self.namespaces
         items += [_call_item(R.new_id("fc"), c.id, c.name, c.arguments, ns.get(c.name)) for c in calls]
+        if items and out.finish_reason == "length":
+            items[-1]["status"] = "incomplete"  # the item max_output_tokens cut, as the API marks it
         return items
 
     def finish(self, out: RequestOutput, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -156,6 +157,8 @@ class _Reply:
                     yield seq.event("response.failed", response=self.body("failed", items.done, None,
                                                                             error=error))  # fmt: skip
                     return
+                if out.finished and out.finish_reason == "length":
+                    items.cut = True
                 for text in answer.write(out, items):
                     yield text
                 if out.finished:
@@ -183,6 +186,9 @@ class _Items:
 
     def __init__(self, seq: _Sequence, namespaces: dict[str, str]) -> None:
         self.seq, self.namespaces = seq, namespaces
+        # NOTE: once max_output_tokens cut the answer, the item open then closes "incomplete" (a call's
+        # argument deltas already sent cannot be taken back; its status says they are not whole)
+        self.cut = False
         self.done: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the open item, its text gathered in place
 
@@ -206,7 +212,7 @@ class _Items:
         if item is None:
             return out
         where = self._where()
-        item["status"] = "completed"
+        item["status"] = "incomplete" if self.cut else "completed"
         if item["type"] == "reasoning":
             text = item["content"][0]["text"]
             out.append(self.seq.event("response.reasoning_text.done", **where, content_index=0, text=text))
@@ -269,10 +275,3 @@ def _call_item(
     item = {"type": "function_call", "id": fid, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}  # fmt: skip
     return item | ({"namespace": namespace} if namespace is not None else {})
-
-
-def _is_object(arguments: str) -> bool:
-    try:
-        return isinstance(json.loads(arguments), dict)
-    except ValueError:
-        return False

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 DONE = "data: [DONE]\n\n"
 KEEPALIVE = ": keep-alive\n\n"
+GONE_KEY = "nextserve.client_gone"  # the scope key set when a stream's client left before its end
 
 
 def sse(obj: dict[str, Any]) -> str:
@@ -31,12 +32,15 @@ class EventStream(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        done = False
         try:
             async with anyio.create_task_group() as tg:
 
                 async def run() -> None:
+                    nonlocal done
                     try:
                         await self.stream_response(send)
+                        done = True
                     except OSError:
                         pass
                     tg.cancel_scope.cancel()
@@ -45,6 +49,9 @@ class EventStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
+            if not done:
+                # NOTE: counted and logged as 499 (the middleware reads this), like a whole answer's client
+                scope[GONE_KEY] = True
             self.on_close()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:

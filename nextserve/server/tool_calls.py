@@ -384,3 +384,11 @@ def parse_tool_calls(
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     return ParsedResponse(content or None, parser.calls)
+
+
+def is_json_object(arguments: str) -> bool:
+    """Whether a call's arguments are a whole JSON object (a call cut short by max_tokens is not)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from live_server import MODEL_NAME, assert_pool_full, live_server
+from live_server import MODEL_NAME, assert_pool_full, live_server, post_and_hold, wait_until
+from tool_cases import CHAT_WEATHER, RESPONSES_WEATHER
 from transformers import PreTrainedTokenizerFast
 
 from nextserve.engine_config import DEFAULT_MODEL
@@ -191,3 +192,79 @@ def test_the_clients_tool_grammars_compile_fast_and_once(grammars, request_, xml
     took = time.perf_counter() - t0
     assert took < 4.0, f"{len(tools)} tools took {took:.2f} s"
     assert grammars.compile_tool_calls(copy.deepcopy(tools), None, True, xml) is first
+
+
+# ---- the smaller defects: each test fails on the code before its fix ----------------------------------
+CUT = 45  # tokens: the tiny model's forced call has begun its arguments by then, and is far from done
+
+
+def _forced(server, path: str, body: dict) -> dict:
+    status, _, raw = server.request("POST", path, body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_a_call_cut_short_is_text_in_a_whole_chat_answer(server) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [CHAT_WEATHER], "tool_choice": "required", "max_tokens": CUT,
+            "temperature": 0}  # fmt: skip
+    choice = _forced(server, "/v1/chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["tool_calls"], choice
+    assert choice["message"]["content"].startswith("<tool_call>"), choice
+    whole = _forced(server, "/v1/chat/completions", body | {"max_tokens": 200})["choices"][0]
+    assert whole["message"]["tool_calls"] and whole["finish_reason"] == "tool_calls", whole
+
+
+def test_a_streamed_call_cut_short_is_an_incomplete_item(server) -> None:
+    body = {"model": MODEL_NAME, "input": "weather?", "tools": [RESPONSES_WEATHER], "tool_choice": "required",
+            "max_output_tokens": CUT, "temperature": 0, "stream": True}  # fmt: skip
+    status, _, raw = server.request("POST", "/v1/responses", body)
+    assert status == 200
+    events = [d for _, d in _events(raw.decode())]
+    final = events[-1]
+    assert final["type"] == "response.incomplete", final
+    (call,) = [i for i in final["response"]["output"] if i["type"] == "function_call"]
+    assert call["status"] == "incomplete", call
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done[-1]["status"] == "incomplete"
+    whole = _forced(server, "/v1/responses", body | {"stream": False})
+    assert whole["status"] == "incomplete" and [i["type"] for i in whole["output"]] == ["message"]
+    assert whole["output"][0]["status"] == "incomplete", whole["output"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"input": "hi"}),
+], ids=["chat", "messages", "responses"])  # fmt: skip
+def test_a_streamed_disconnect_is_counted_and_logged_as_499(server, caplog, path, body) -> None:
+    body = (
+        body
+        | {"model": MODEL_NAME, "stream": True, "ignore_eos": True}
+        | ({"max_tokens": 900} if path != "/v1/responses" else {"max_output_tokens": 900})
+    )
+    endpoint = f'endpoint="{path}",status="499"'
+    before = server.request("GET", "/metrics")[2].decode().count(endpoint)
+    with caplog.at_level(logging.INFO):
+        sock = post_and_hold(server.port, path, body)
+        assert wait_until(lambda: server.engine.stats()["running"] == 1)
+        sock.close()
+        assert wait_until(lambda: any('"status": 499' in r.getMessage() for r in caplog.records))
+    assert_pool_full(server.wait_idle())
+    lines = [r.getMessage() for r in caplog.records if '"event": "request"' in r.getMessage()]
+    assert len(lines) == 1 and '"status": 499' in lines[0] and "disconnected" in lines[0], lines
+    metrics = server.request("GET", "/metrics")[2].decode()
+    assert endpoint in metrics and before == 0 or metrics.count(endpoint) >= 1
+
+
+def test_a_messages_400_logs_its_error_and_field(server, caplog) -> None:
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if '"event": "request"' in r.getMessage()]
+
+    with caplog.at_level(logging.INFO):
+        status, _, _ = server.request("POST", "/v1/messages", {"model": MODEL_NAME, "messages": []})
+        assert status == 400
+        assert wait_until(lambda: lines())  # (written once the answer has gone)
+    (line,) = lines()
+    record = json.loads(line)
+    assert record["status"] == 400 and "messages" in record["error"] and record["error_param"] == "messages"
