@@ -23,7 +23,10 @@ reuse works across them).
 # - unknown top-level fields are accepted and ignored with one warning line (clients add fields faster
 #   than a local server learns them); unknown fields inside a message, a content block or a tool are a
 #   400, since they may change what the request means;
-# - images and documents are refused (400): the model reads text only.
+# - images and documents are refused (400): the model reads text only;
+# - a `model` named "claude-..." is served by this server's model (CLIENT_MODELS): Anthropic's clients name
+#   their own models, several of them (Claude Code: the main one and a small one for titles), whatever the
+#   endpoint; any other name this server does not serve stays a 404, as on the other routes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from . import protocol as P
 
 BILLING_HEADER = "x-anthropic-billing-header:"
+CLIENT_MODELS = "claude-"  # the prefix of model names this server answers as its own (module NOTE)
 # NOTE: blocks and tools take the fields the API documents (clients send back the blocks they received,
 # `caller` and `citations` included) and refuse others; settings objects ignore what they do not know.
 _BLOCK = ConfigDict(extra="forbid", strict=True)
@@ -288,7 +292,8 @@ def chat_request(req: _Conversation, context: dict[str, Any]) -> P.ChatCompletio
     """The chat-completions request the Messages request is (validated as the chat route validates)."""
     if req.mcp_servers:
         raise ValueError("mcp_servers: MCP servers are not supported: this server connects to none")
-    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+    model = None if req.model is not None and req.model.startswith(CLIENT_MODELS) else req.model
+    body: dict[str, Any] = {"model": model, "messages": chat_messages(req)}
     custom = [t for t in req.tools or [] if isinstance(t, ToolDef)]
     if custom:
         body["tools"] = [

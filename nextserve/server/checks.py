@@ -114,13 +114,15 @@ def sampling_params(
     d = srv.defaults
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens"),
             temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
             top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
             top_k=req.top_k if req.top_k is not None else d.get("top_k", -1),
             seed=req.seed,
             stop=req.stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            # (the model's own end tokens stop it unless the request ignores them)
+            stop_token_ids=tuple(req.stop_token_ids or ())
+            + (() if req.ignore_eos else d.get("eos_token_ids", ())),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             min_p=req.min_p or 0.0,

@@ -134,7 +134,9 @@ def _is_byte_level(tokenizer: Any) -> bool:
 
 
 def _generation_defaults(model_dir: str) -> dict[str, Any]:
-    """temperature/top_p/top_k from the model's generation_config.json, the defaults vLLM applies."""
+    """temperature/top_p/top_k, max_new_tokens as the max_tokens of requests that give none, and every
+    eos_token_id it lists as a stop token (Qwen releases list two), from the model's generation_config.json:
+    the defaults vLLM applies."""
     path = Path(model_dir) / "generation_config.json"
     try:
         raw = json.loads(path.read_text())
@@ -145,8 +147,13 @@ def _generation_defaults(model_dir: str) -> dict[str, Any]:
         return out
     if isinstance(raw.get("temperature"), int | float) and raw.get("do_sample", True) is not False:
         out["temperature"] = float(raw["temperature"])
+    if isinstance(raw.get("max_new_tokens"), int) and raw["max_new_tokens"] >= 1:
+        out["max_tokens"] = raw["max_new_tokens"]
     if isinstance(raw.get("top_p"), int | float) and 0 < raw["top_p"] <= 1:
         out["top_p"] = float(raw["top_p"])
     if isinstance(raw.get("top_k"), int) and raw["top_k"] >= -1:
         out["top_k"] = int(raw["top_k"])
+    eos = raw.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    out["eos_token_ids"] = tuple(t for t in eos if isinstance(t, int) and not isinstance(t, bool) and t >= 0)
     return out

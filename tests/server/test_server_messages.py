@@ -219,5 +219,8 @@ def test_errors_auth_and_unknown_model(tiny_model_dir) -> None:
         with pytest.raises(anthropic.NotFoundError) as e:
             client(srv, "sekret").messages.create(**(GOOD | {"model": "other-model"}))
         assert e.value.body["error"]["type"] == "not_found_error"
+        # Anthropic's clients name their own models (Claude Code: the main one and a small one)
+        for name in ("claude-opus-4-8", "claude-haiku-4-5-20251001"):
+            assert client(srv, "sekret").messages.create(**(GOOD | {"model": name})).type == "message"
         r = _post(srv, "/messages", "not an object", {"x-api-key": "sekret"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -67,3 +67,26 @@ def test_penalties_min_p_and_logit_bias_are_applied(server):
     )
     assert sampled.choices[0].finish_reason in ("stop", "length")
     assert_pool_full(server.wait_idle())
+
+
+def test_generation_configs_max_new_tokens_is_the_default_max_tokens(tiny_model_dir, tmp_path):
+    """As vLLM applies it: a request without max_tokens stops there; one that gives it is its own."""
+    import json
+    import shutil
+
+    from live_server import live_server
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text()) | {"max_new_tokens": 5}
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    with live_server(model) as srv:
+        status, _, raw = srv.request("POST", "/v1/chat/completions", chat)
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 5, raw
+        status, _, raw = srv.request("POST", "/v1/chat/completions", chat | {"max_tokens": 9})
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 9, raw
+        status, _, raw = srv.request(
+            "POST", "/v1/responses", {"model": MODEL_NAME, "input": "hi", "ignore_eos": True}
+        )
+        assert status == 200 and json.loads(raw)["usage"]["output_tokens"] == 5, raw
