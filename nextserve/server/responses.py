@@ -226,6 +226,14 @@ class ResponsesRequest(InputTokensRequest):
     user: str | None = None
     safety_identifier: str | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
+    # documented, accepted and ignored: they tune OpenAI's service, not the answer
+    context_management: Any = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
+    background_options: Any = None
+    access_programs: Any = None
+    image: Any = None
     # nextserve's extensions, as on the chat route (vLLM's names)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     seed: int | None = None

@@ -268,3 +268,18 @@ def test_a_messages_400_logs_its_error_and_field(server, caplog) -> None:
     (line,) = lines()
     record = json.loads(line)
     assert record["status"] == 400 and "messages" in record["error"] and record["error_param"] == "messages"
+
+
+def test_every_field_the_sdks_document_is_a_field_of_the_request_models() -> None:
+    """Documented fields are honoured, or accepted and ignored by name (README's table), never taken for
+    unknown ones (which only warn): the official SDKs' own request types are the list."""
+    from anthropic.types import message_create_params as mcp
+    from openai.types.responses import response_create_params as rcp
+
+    from nextserve.server import anthropic as A
+    from nextserve.server import responses as R
+
+    sdk = set(mcp.MessageCreateParamsBase.__annotations__) | {"stream", "temperature", "top_k", "top_p"}
+    assert not sdk - set(A.MessagesRequest.model_fields), sorted(sdk - set(A.MessagesRequest.model_fields))
+    sdk = set(rcp.ResponseCreateParamsBase.__annotations__) | {"stream"}
+    assert not sdk - set(R.ResponsesRequest.model_fields), sorted(sdk - set(R.ResponsesRequest.model_fields))
