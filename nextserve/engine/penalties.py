@@ -59,6 +59,10 @@ def adjust_logits(
         # multiplied by it
         p = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+        # NOTE: a penalty near 0 divides past float32's range: +inf would make softmax NaN; held at the
+        # largest finite logit instead (the token stays the likeliest, as the penalty means). -inf (masked)
+        # logits are left as they are.
+        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     if params.frequency_penalty or params.presence_penalty:
         f = counts.to(logits.dtype)
         logits = (

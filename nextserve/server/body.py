@@ -14,8 +14,9 @@ from .errors import APIError, bad, validation_error
 from .limits import MAX_BODY_DEPTH, ServerLimits
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-# NOTE: JSON text carries a surrogate only as a \uD800-\uDFFF escape (UTF-8 cannot encode one), so a body
-# without such an escape needs no string scanned.
+# NOTE: a body is UTF-8 (RFC 8259), decoded strictly: raw surrogate bytes (\xed\xa0\x80) or a UTF-16 body
+# are a 400 there; then JSON text carries a surrogate only as a \uD800-\uDFFF escape, so a body without
+# such an escape needs no string scanned.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 _SCALARS = {int, float, bool, type(None)}
 Model = TypeVar("Model", bound=BaseModel)
@@ -31,7 +32,11 @@ def parse_body(raw: bytes, model: type[Model], limits: ServerLimits, max_prompt:
     if not raw.strip():
         raise bad("the request body is missing")
     try:
-        data = json.loads(raw)
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # (a BOM is allowed to be ignored)
+    except UnicodeDecodeError as exc:
+        raise bad(f"the request body is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        data = json.loads(text)
     except RecursionError:
         raise bad(f"the request body nests deeper than {MAX_BODY_DEPTH} levels") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError

@@ -63,6 +63,7 @@ def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[
     for field, kind, value in wanted:
         if kind == "json":
             value = J.load_schema(value)
+            _enforceable(value, field)
         nodes = J.schema_nodes(value) if kind == "json" else 0
         asks.append(_Ask(field, functools.partial(compile_of[kind], value), nodes, _size(kind, value)))
     forced_tools = tools and (tool_choice == "required" or isinstance(tool_choice, P.NamedToolChoice))
@@ -70,10 +71,22 @@ def _asks(srv: ServerState, req: P._SamplingFields, tools, tool_choice) -> list[
         forced = tool_choice.function.name if isinstance(tool_choice, P.NamedToolChoice) else None
         parallel = bool(getattr(req, "parallel_tool_calls", True))
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
+        for t in chosen:
+            _enforceable(
+                t["function"].get("parameters") or {}, "tools", f"the parameters of {t['function']['name']!r}"
+            )
         nodes = sum(J.schema_nodes(t["function"].get("parameters") or {}) for t in chosen)
         compile_fn = functools.partial(g.compile_tool_calls, tools, forced, parallel, srv.tool_call_xml)
         asks.append(_Ask("tool_choice", compile_fn, nodes, 0))
     return asks
+
+
+def _enforceable(schema: Any, field: str, what: str = "the JSON schema") -> None:
+    """A 400 naming the keyword when the schema about to be compiled holds one the grammar engine would
+    not enforce (json_schema.UNENFORCED): refused, never loosened."""
+    if (kw := J.unenforced_keyword(schema)) is not None:
+        text = f"{what} uses {kw}, which constrained decoding cannot enforce; rewrite the schema without it"
+        raise bad(text, param=field)
 
 
 async def output_constraint(

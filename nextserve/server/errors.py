@@ -3,7 +3,9 @@ answer every failure (bad fields, unknown routes, bugs) in it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +44,17 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+@contextlib.contextmanager
+def dialect_param(chat_field: str, own_field: str) -> Iterator[None]:
+    """Errors raised inside name the dialect's own field where the chat route's translation named its own."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param == chat_field:
+            exc.param = own_field
+        raise
 
 
 def warn_ignored(route: str, fields: list[str], tools: list[str] = ()) -> None:

@@ -16,7 +16,7 @@ from ..engine.outputs import RequestOutput
 from . import anthropic as A
 from .answer_stream import AnswerStream
 from .body import BodyTooLarge, parse_body
-from .errors import APIError, failure_error, log, log_error, warn_ignored
+from .errors import APIError, dialect_param, failure_error, log, log_error, warn_ignored
 from .generation import CLIENT_GONE, Generation, failed
 from .prepare import ClientGone
 from .reasoning import reasoning_opened, split_reasoning
@@ -71,7 +71,8 @@ async def _messages(srv: ServerState, request: Request) -> Response:
         req, chat = await _chat_of(srv, request, A.MessagesRequest)
         # NOTE: Anthropic clients send their model's output maximum (Claude Code: 64,000) whatever the
         # context, so max_tokens is an upper bound here: cut to the room the context leaves
-        gen, ids, names = await start_chat(srv, request, chat, req.max_tokens, None, clamp=True)
+        with dialect_param("response_format", "output_config.format"):
+            gen, ids, names = await start_chat(srv, request, chat, req.max_tokens, None, clamp=True)
     reply = _Reply(srv, gen, req, names, reasoning_opened(srv, ids))
     if req.stream:
         return EventStream(reply.events(), on_close=gen.close, request_id=reply.id)

@@ -15,7 +15,7 @@ from ..engine.outputs import RequestOutput
 from . import responses as R
 from .answer_stream import AnswerStream
 from .body import parse_body
-from .errors import APIError, failure_error, warn_ignored
+from .errors import APIError, dialect_param, failure_error, warn_ignored
 from .generation import CLIENT_GONE, Generation, failed
 from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, checked_chat, start_chat, translated_chat
@@ -70,9 +70,10 @@ async def create(srv: ServerState, request: Request) -> Response:
     async with srv.prep.admit():
         req, chat, conversation = await _chat_of(srv, request, R.ResponsesRequest)
         fields = ("input", "max_output_tokens")
-        gen, ids, names = await start_chat(
-            srv, request, chat, req.max_output_tokens, None, fields, clamp=True
-        )
+        with dialect_param("response_format", "text.format"):
+            gen, ids, names = await start_chat(
+                srv, request, chat, req.max_output_tokens, None, fields, clamp=True
+            )
     reply = _Reply(srv, gen, req, names, reasoning_opened(srv, ids), conversation, _tenant(request))
     if req.stream:
         return EventStream(reply.events(), on_close=gen.close, request_id=reply.id)

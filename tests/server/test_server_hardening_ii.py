@@ -1,0 +1,132 @@
+"""Hardening II: what an attacker's requests did to the server, each now answered up front: schemas whose
+compile took the machine's memory, keywords constrained decoding would silently loosen, raw-byte surrogates,
+a degenerate repetition penalty. Each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from live_server import MODEL_NAME, assert_pool_full
+
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _schema_of(props: int) -> dict:
+    names = [f"p{i}" for i in range(props)]
+    return {"type": "object", "properties": {n: {"type": "string"} for n in names}, "required": names}
+
+
+def test_a_2000_property_schema_is_a_400_at_once_with_the_memory_unchanged(server) -> None:
+    """About 60 KB of JSON drove the server from 0.9 to 22 GB: its properties now count toward
+    --max-schema-nodes, checked while the body is parsed."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _schema_of(2000)}}
+    body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "response_format": fmt}
+    before, t0 = _rss_mib(), time.monotonic()
+    status, _, raw = server.request("POST", CHAT, body)
+    took = time.monotonic() - t0
+    assert status == 400 and "--max-schema-nodes" in json.loads(raw)["error"]["message"], raw
+    assert took < 1.0 and _rss_mib() - before < 100, (took, _rss_mib() - before)
+
+
+def test_a_40000_value_enum_is_a_400_at_once(server) -> None:
+    """It compiled for 26 s (385 MB), past the timeout, and the compile went on: enum values count."""
+    schema = {"type": "string", "enum": [f"value{i}" for i in range(40000)]}
+    body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "guided_json": schema}
+    t0 = time.monotonic()
+    status, _, raw = server.request("POST", CHAT, body)
+    assert status == 400 and "--max-schema-nodes" in json.loads(raw)["error"]["message"], raw
+    assert time.monotonic() - t0 < 2.0
+    # a constrained request right after answers at once
+    status, _, raw = server.request("POST", CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 4,
+                                                   "guided_regex": "[cd]+"})  # fmt: skip
+    assert status == 200 and set(json.loads(raw)["choices"][0]["message"]["content"]) <= set("cd"), raw
+
+
+def test_800_properties_compile_well_inside_the_timeout(server) -> None:
+    """It took 20.7 s and 4.8 GB while the unsatisfiability check serialized the compiled grammar."""
+    body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 8,
+            "guided_json": _schema_of(400)}  # fmt: skip
+    t0 = time.monotonic()
+    status, _, raw = server.request("POST", CHAT, body)
+    assert status == 200 and time.monotonic() - t0 < 5.0, raw
+
+
+UNENFORCED = [
+    ({"not": {}}, "`not`"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "`allOf` with 2 branches"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "`uniqueItems`"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "`if`"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+     "`dependentRequired`"),
+    ({"type": "array", "contains": {"const": 7}}, "`contains`"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema,word", UNENFORCED, ids=[w.strip("`").split("`")[0] for _, w in UNENFORCED])
+def test_keywords_constrained_decoding_cannot_enforce_are_refused(server, schema, word) -> None:
+    """{"not": {}} returned a number and allOf of string and integer a string: loosened silently."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    chat = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "response_format": fmt}
+    responses = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4,
+                 "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}  # fmt: skip
+    params = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    tools = {
+        "model": MODEL_NAME,
+        "messages": USER,
+        "max_tokens": 4,
+        "tools": [tool],
+        "tool_choice": "required",
+    }
+    for path, body, field in ((CHAT, chat, "response_format"), ("/v1/responses", responses, "text"),
+                              (CHAT, tools, "tools")):  # fmt: skip
+        status, _, raw = server.request("POST", path, body)
+        err = json.loads(raw)["error"]
+        assert status == 400 and word in err["message"] and (err["param"] or "").startswith(field), (
+            path,
+            err,
+        )
+    # the same names as property names, or inside data, are no keywords
+    named = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"enum": [{"not": 1}]}}}
+    status, _, raw = server.request("POST", CHAT, chat | {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": named}}})  # fmt: skip
+    assert status == 200, raw
+    assert_pool_full(server.wait_idle())
+
+
+RAW_SURROGATE = (
+    b'{"model": "tiny-test", "messages": [{"role": "user", "content": "a\xed\xa0\x80b"}], "max_tokens": 2}'
+)
+
+
+@pytest.mark.parametrize("path,raw", [
+    (CHAT, RAW_SURROGATE),
+    ("/v1/messages", RAW_SURROGATE),
+    ("/v1/responses", b'{"model": "tiny-test", "input": "a\xed\xa0\x80b", "max_output_tokens": 2}'),
+    ("/v1/completions", b'{"model": "tiny-test", "prompt": "a\xed\xa0\x80b", "max_tokens": 2}'),
+    (CHAT, b'{"model": "\xed\xa0\x80", "messages": [{"role": "user", "content": "x"}]}'),
+    (CHAT, json.dumps({"model": MODEL_NAME, "messages": USER}).encode("utf-16")),
+], ids=["chat", "messages", "responses", "completions", "model", "utf16"])  # fmt: skip
+def test_raw_byte_surrogates_and_non_utf8_bodies_are_a_400(server, path, raw) -> None:
+    """They passed the check (it looked only for the \\ud800 escape) and were a 500 in the tokenizer."""
+    status, _, data = server.request("POST", path, raw=raw)
+    assert status == 400 and b"UTF-8" in data, data
+
+
+def test_a_near_zero_repetition_penalty_samples(server) -> None:
+    """1e-40 (inside (0, 2]) divided logits past float32's range: a 500 from the sampler."""
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 6, "temperature": 1.0,
+            "repetition_penalty": 1e-40, "seed": 1}  # fmt: skip
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] >= 1
+    assert_pool_full(server.wait_idle())
