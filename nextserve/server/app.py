@@ -82,6 +82,14 @@ class _Middleware:
                 err.headers["WWW-Authenticate"] = "Bearer"
                 await err(scope, receive, send_status)
                 return
+            failure = self.srv.engine.failure() if path.startswith("/v1") else None
+            if failure is not None and scope.get("method") == "POST":
+                # NOTE: the engine cannot serve any more (a pipeline stage died; the server stops soon for its
+                # supervisor to restart it): a 503 with the reason, which clients retry, not a 500
+                err = APIError(503, f"the engine cannot serve: {failure}", "service_unavailable",
+                               code="engine_unavailable", headers={"Retry-After": "5"})  # fmt: skip
+                await shaped(err)(scope, receive, send_status)
+                return
             limit = self.srv.limits.max_request_bytes
             if _content_length(scope) > limit:
                 await shaped(_too_large(limit))(scope, receive, send_status)

@@ -5,6 +5,7 @@ returns."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -154,6 +155,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+HARD_EXIT_S = 3.0  # after a second stop signal, the most the process may take to end
+
+
+def _hard_exit() -> None:
+    log.error("still running %g s after the second stop signal: exiting now", HARD_EXIT_S)
+    logging.shutdown()
+    os._exit(1)
+
+
 class _GracefulServer(uvicorn.Server):
     """uvicorn's server with our stop policy: the first SIGINT/SIGTERM starts the grace period
     (and the process then exits 0 instead of re-raising the signal); a second one aborts at once."""
@@ -171,9 +181,16 @@ class _GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit:
-            log.warning("second stop signal: aborting in-flight requests now")
+            log.warning(
+                "second stop signal: aborting in-flight requests now; exiting within %g s", HARD_EXIT_S
+            )
             self.force_exit = True
             self.on_signal(True)
+            # NOTE: a thread that does not stop (a grammar compile inside xgrammar, which cannot be
+            # interrupted) would hold the interpreter's exit; past HARD_EXIT_S the process ends regardless
+            timer = threading.Timer(HARD_EXIT_S, _hard_exit)
+            timer.daemon = True  # (a process that ends sooner does not wait for it)
+            timer.start()
             return
         log.info(
             "received %s: no new connections; in-flight requests get %g s to finish",

@@ -192,3 +192,33 @@ def test_signal_stops_gracefully(tiny_model_dir, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_signal_ends_the_process_within_seconds(tiny_model_dir):
+    """The first SIGTERM grants in-flight requests 30 s; a second ends everything at once: the process is
+    gone within 5 s whatever still runs (a compile in xgrammar could hold it: a timer ends the process)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "nextserve.cli", "serve", "--model", str(tiny_model_dir),
+           "--port", str(port), "--device", "cpu", "--max-context", "512", "--kv-capacity", "1024",
+           "--page-size", "16", "--shutdown-timeout", "30"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(proc, port)
+        out: dict = {}
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "stream": True, "ignore_eos": True}
+        t = threading.Thread(target=_stream, args=(port, body, out), daemon=True)
+        t.start()
+        while not out.get("lines") and t.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the first one waits for the request
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        assert time.monotonic() - t0 < 5.0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

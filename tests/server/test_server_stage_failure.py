@@ -25,8 +25,16 @@ def test_a_dead_stage_makes_health_503_and_fails_requests(tiny_model_dir) -> Non
         assert status >= 500 and "pipeline stage 1" in json.loads(body)["error"]["message"], body
         status, _, body = srv.request("GET", "/health")
         assert status == 503 and "pipeline stage 1 exited" in json.loads(body)["reason"], body
-        status, _, body = srv.request("POST", "/v1/chat/completions", ask | {"max_tokens": 2})
-        assert status >= 500 and "cannot serve" in json.loads(body)["error"]["message"], body
+        # later requests: a 503 with the reason and Retry-After, which clients retry (was a 500)
+        for path, extra in (
+            ("/v1/chat/completions", {}),
+            ("/v1/messages", {}),
+            ("/v1/responses", {"input": "x"}),
+        ):
+            status, headers, body = srv.request("POST", path, ask | {"max_tokens": 2} | extra)
+            assert status == 503 and headers.get("retry-after") == "5", (path, status, body)
+            err = json.loads(body)["error"]
+            assert "cannot serve" in err["message"] and "pipeline stage 1" in err["message"], (path, body)
     assert all(p.poll() is not None for p in procs)
 
 
