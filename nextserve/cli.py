@@ -239,12 +239,14 @@ _LIMIT_FLAGS = (
     ("--max-schema-depth", "max_schema_depth", int, "N",
      "deepest nesting of a JSON schema's objects and arrays"),
     ("--max-schema-nodes", "max_schema_nodes", int, "N",
-     "most objects and arrays in the JSON schemas one request compiles into a grammar (guided_json, "
-     "response_format, forced tools)"),
+     "most compile-cost nodes (objects, arrays, properties, enum values, $ref expansions) in the JSON "
+     "schemas one request compiles into a grammar (guided_json, response_format, forced tools)"),
     ("--max-grammar-bytes", "max_grammar_bytes", int, "N",
      "largest guided_regex, guided_grammar or guided_choice list"),
     ("--grammar-timeout", "grammar_timeout_s", float, "S",
-     "a grammar compile that runs longer is answered 400"),
+     "a grammar compile that runs longer is answered 400 (and its worker process killed)"),
+    ("--grammar-memory-mib", "grammar_memory_mib", float, "MIB",
+     "the most memory a grammar compile may take (it is tried first in a worker process of that bound)"),
 )  # fmt: skip
 
 

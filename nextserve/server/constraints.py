@@ -119,7 +119,9 @@ async def output_constraint(
             return None
         raise bad(f"structured output is unavailable on this server: {g.error}", param=param)
     try:
-        return await srv.prep.compile(request, limits.grammar_timeout_s, compile_fn)
+        # NOTE: the worker's try (bounded by the timeout and killed past it: grammar_probe.py) and then the
+        # compile here, which the try showed to end in about as long
+        return await srv.prep.compile(request, 2 * limits.grammar_timeout_s + 1, compile_fn)
     except GrammarUnavailable as exc:
         if param == "tool_choice":
             return None

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from .grammar_check import dead_rule
+from .grammar_probe import CompileTimeout, CompileTooLarge, GrammarProbe, Source
+from .prepare import GrammarTimeout
 
 log = logging.getLogger("nextserve.grammar")
 
@@ -83,11 +85,20 @@ class XGrammarConstraint:
 class GrammarBackend:
     """Compiles grammars for one model's tokenizer."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_id: int | None,
+        probe: tuple[float, float] | None = None,
+    ) -> None:
+        """`probe`: (memory MiB, timeout s) of the worker each new compile is tried in first
+        (grammar_probe.py); None compiles in this process only."""
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._probe_limits, self.probe = probe, None
         self.error: str | None = None
         if xgr is None:
             self.error = f"xgrammar is not installed ({_IMPORT_ERROR})"
@@ -109,17 +120,26 @@ class GrammarBackend:
                         self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
                     )
                     self._compiler = xgr.GrammarCompiler(info)
+                    if self._probe_limits is not None:
+                        self.probe = GrammarProbe(info.serialize_json(), *self._probe_limits)
                 except Exception as exc:  # noqa: BLE001 - an unusable tokenizer disables the feature
                     self.error = f"xgrammar cannot use this tokenizer ({type(exc).__name__}: {exc})"
                     raise GrammarUnavailable(f"structured output is unavailable: {self.error}") from exc
             return self._compiler
 
     def warm_up(self) -> None:
-        """Builds the vocabulary table now rather than on the first request (best effort)."""
+        """Builds the vocabulary table, and starts the compile worker, now rather than on the first
+        request (best effort)."""
         try:
             self._get_compiler()
-        except GrammarUnavailable as exc:
-            log.warning("%s", exc)
+            if self.probe is not None:
+                self.probe.warm_up()
+        except (GrammarUnavailable, CompileTimeout, CompileTooLarge) as exc:
+            log.warning("the grammar backend's warm-up: %s", exc or type(exc).__name__)
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
 
     def constraint(self, compiled: Any) -> XGrammarConstraint:
         stop = (self.eos_token_id,) if self.eos_token_id is not None else ()
@@ -129,55 +149,55 @@ class GrammarBackend:
     # NOTE: the dead-rule check reads the source grammar (`xgr.Grammar.from_*`, the same language as what
     # is compiled), not the compiled one: serializing a compiled grammar writes its per-rule token tables
     # (167 MB and 10 s for Claude Code's 24 tools, against 0.2 MB and 6 ms for the source grammar).
-    # Compiled grammars are kept by their source text (COMPILED_CACHE entries): a session resends the
-    # same tools every turn, and each request makes its own matcher of the shared compiled grammar.
-    def _compile(self, what: str, key: str, source, compile_fn) -> Any:
+    # Compiled grammars are kept by their source (COMPILED_CACHE entries): a session resends the same
+    # tools every turn, and each request makes its own matcher of the shared compiled grammar. A source
+    # not kept is compiled first in the probe's worker (bounded in time and memory), then here.
+    def _compile(self, what: str, source: Source) -> Any:
+        kind, text, opts = source
+        key = (kind, text, tuple(sorted(opts.items())))
         with self._lock:
-            hit = self._cache.get((what, key))
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end((what, key))
+                self._cache.move_to_end(key)
                 return hit
         compiler = self._get_compiler()
+        if self.probe is not None:
+            try:
+                self.probe.check(source)
+            except CompileTimeout:
+                raise GrammarTimeout from None
+        build, method = _BUILDERS[kind]
         try:
-            compiled = compile_fn(compiler)
-            grammar = source()
+            compiled = getattr(compiler, method)(text, **opts)
+            grammar = build(text, **opts)
         except GrammarUnavailable:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a message
-            text = _XGR_PREFIX.sub("", str(exc)).strip()
-            raise ValueError(f"invalid {what}: {text}") from exc
+            message = _XGR_PREFIX.sub("", str(exc)).strip()
+            raise ValueError(f"invalid {what}: {message}") from exc
         dead = dead_rule(grammar)
         if dead is not None:
             raise ValueError(f"the {what} admits no output: its rule {dead!r} can never be completed")
         with self._lock:
-            self._cache[(what, key)] = compiled
+            self._cache[key] = compiled
             while len(self._cache) > COMPILED_CACHE:
                 self._cache.popitem(last=False)
         return compiled
 
     def compile_json_schema(self, schema: dict[str, Any] | str) -> Any:
         text = schema if isinstance(schema, str) else json.dumps(schema)
-        opts = dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=True)
-        return self._compile(
-            "JSON schema", text, lambda: xgr.Grammar.from_json_schema(text, **opts),
-            lambda c: c.compile_json_schema(text, **opts),
-        )  # fmt: skip
+        opts = {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE, "strict_mode": True}
+        return self._compile("JSON schema", ("json", text, opts))
 
     def compile_regex(self, pattern: str) -> Any:
-        return self._compile(
-            "regex", pattern, lambda: xgr.Grammar.from_regex(pattern), lambda c: c.compile_regex(pattern)
-        )
+        return self._compile("regex", ("regex", pattern, {}))
 
     def compile_ebnf(self, grammar: str) -> Any:
-        return self._compile(
-            "grammar", grammar, lambda: xgr.Grammar.from_ebnf(grammar), lambda c: c.compile_grammar(grammar)
-        )
+        return self._compile("grammar", ("ebnf", grammar, {}))
 
     def compile_choice(self, choices: list[str]) -> Any:
         ebnf = "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
-        return self._compile(
-            "choice", ebnf, lambda: xgr.Grammar.from_ebnf(ebnf), lambda c: c.compile_grammar(ebnf)
-        )
+        return self._compile("choice", ("ebnf", ebnf, {}))
 
     def compile_tool_calls(
         self, tools: list[dict[str, Any]], forced: str | None, parallel: bool, xml: bool = False
@@ -196,13 +216,18 @@ class GrammarBackend:
             fmt: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
         else:
             fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
-        text = json.dumps({"type": "structural_tag", "format": fmt})
         return self._compile(
-            "tools",
-            text,
-            lambda: xgr.Grammar.from_structural_tag(text),
-            lambda c: c.compile_structural_tag(text),
+            "tools", ("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), {})
         )
+
+
+# kind -> (the source grammar's builder, the compiler's method): the same language either way
+_BUILDERS = {
+    "json": (lambda text, **o: xgr.Grammar.from_json_schema(text, **o), "compile_json_schema"),
+    "regex": (lambda text: xgr.Grammar.from_regex(text), "compile_regex"),
+    "ebnf": (lambda text: xgr.Grammar.from_ebnf(text), "compile_grammar"),
+    "structural_tag": (lambda text: xgr.Grammar.from_structural_tag(text), "compile_structural_tag"),
+}
 
 
 def _tool_tag(name: str, schema: dict[str, Any], xml: bool) -> dict[str, Any]:

@@ -115,6 +115,7 @@ def serve(
             timer.cancel()
         if app is not None:
             app.state.nextserve.prep.close()
+            app.state.nextserve.grammar.close()
         engine.shutdown(abort_running=True)
         sock.close()
         log.info("stopped")

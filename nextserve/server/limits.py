@@ -18,10 +18,11 @@ class ServerLimits:
     max_schema_nodes: int = 2048  # objects and arrays in the schemas one request compiles together
     max_grammar_bytes: int = 65536  # a regex, an EBNF grammar, or the choices of guided_choice
     grammar_timeout_s: float = 10.0  # a grammar compile that takes longer is a 400
+    grammar_memory_mib: float = 2048.0  # the most memory a grammar compile's worker process may take
 
     def __post_init__(self) -> None:
         positive = ("max_request_mib", "max_schema_depth", "max_schema_nodes", "max_grammar_bytes")
-        for name in (*positive, "grammar_timeout_s"):
+        for name in (*positive, "grammar_timeout_s", "grammar_memory_mib"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")

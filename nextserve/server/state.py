@@ -57,7 +57,12 @@ class ServerState:
             api_key=(api_key if isinstance(api_key, tuple) else (api_key,)) if api_key else None,
             keepalive_s=keepalive_s,
             metrics=ServerMetrics(engine.stats, llm.device),
-            grammar=GrammarBackend(tokenizer, mc.vocab_size, mc.eos_token_id),
+            grammar=GrammarBackend(
+                tokenizer,
+                mc.vocab_size,
+                mc.eos_token_id,
+                (limits.grammar_memory_mib, limits.grammar_timeout_s),
+            ),
             tokenizer=tokenizer,
             vocab_size=mc.vocab_size,
             eos_token_id=mc.eos_token_id,

@@ -171,6 +171,7 @@ def live_server(
         server.should_exit = True
         thread.join(15)
         app.state.nextserve.prep.close()
+        app.state.nextserve.grammar.close()
         engine.shutdown()
         sock.close()
         torch.set_num_threads(threads)

@@ -130,3 +130,60 @@ def test_a_near_zero_repetition_penalty_samples(server) -> None:
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] >= 1
     assert_pool_full(server.wait_idle())
+
+
+# ---- compiles that run long or grow: tried in a worker process first -----------------------------------
+def _enum(n: int) -> dict:
+    return {"type": "string", "enum": [f"value{i}" for i in range(n)]}
+
+
+def test_compiles_past_the_timeout_stop_and_leave_constrained_decoding_working(tiny_model_dir) -> None:
+    """Two 40,000-value enums (26 s each to compile) got their 400 after the timeout but kept compiling,
+    and every later constrained request hung. Now the worker is killed at the timeout, and replaced."""
+    from live_server import live_server
+
+    from nextserve.server.limits import ServerLimits
+
+    limits = ServerLimits(grammar_timeout_s=1.0, max_schema_nodes=10**6)
+    with live_server(tiny_model_dir, limits=limits) as srv:
+        before = _rss_mib()
+        for _ in range(2):
+            t0 = time.monotonic()
+            body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "guided_json": _enum(40000)}
+            status, _, raw = srv.request("POST", CHAT, body)
+            assert status == 400 and "--grammar-timeout" in json.loads(raw)["error"]["message"], raw
+            assert time.monotonic() - t0 < 10.0  # (the first also starts the worker)
+        t0 = time.monotonic()
+        status, _, raw = srv.request("POST", CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 4,
+                                                    "guided_regex": "[cd]+"})  # fmt: skip
+        assert status == 200 and time.monotonic() - t0 < 10.0, raw
+        assert _rss_mib() - before < 150  # the 385 MB compiles ran in the worker, not here
+        assert_pool_full(srv.wait_idle())
+
+
+def test_the_probe_bounds_time_and_memory_and_replaces_its_worker() -> None:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    from nextserve.engine_config import DEFAULT_MODEL
+    from nextserve.server.grammar_probe import CompileTimeout, CompileTooLarge, GrammarProbe
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=f"{DEFAULT_MODEL}/tokenizer.json")
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=8192, stop_token_ids=[2]).serialize_json()
+    opts = {"any_whitespace": True, "strict_mode": True}
+    probe = GrammarProbe(info, memory_mib=4096, timeout_s=1.0)
+    try:
+        probe.warm_up()
+        with pytest.raises(CompileTimeout):
+            probe.check(("json", json.dumps(_enum(40000)), opts))
+        probe.check(("regex", "[cd]+", {}))  # a new worker
+        probe.check(("json", "{not json", opts))  # a bad source passes: the server's compile names it
+        small = GrammarProbe(info, memory_mib=40, timeout_s=30.0)
+        try:
+            with pytest.raises(CompileTooLarge, match="--grammar-memory-mib"):
+                small.check(("json", json.dumps(_enum(40000)), opts))  # 385 MB in the server, 8 threads
+            small.check(("regex", "[cd]+", {}))
+        finally:
+            small.close()
+    finally:
+        probe.close()
