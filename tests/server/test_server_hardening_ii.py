@@ -187,3 +187,33 @@ def test_the_probe_bounds_time_and_memory_and_replaces_its_worker() -> None:
             small.close()
     finally:
         probe.close()
+
+
+@pytest.mark.slow
+def test_a_soak_of_mixed_bad_requests_leaves_the_memory_and_the_pool_as_they_were(server) -> None:
+    """A few hundred bad requests of every kind this file covers, round after round: every one a 4xx (none
+    a 5xx), the pool full after, and the process's memory within 20% of where it started."""
+    bad = [
+        ("POST", CHAT, None, RAW_SURROGATE),
+        ("POST", CHAT, {"model": MODEL_NAME, "messages": USER, "guided_json": _enum(40000)}, None),
+        ("POST", CHAT, {"model": MODEL_NAME, "messages": USER, "guided_json": _schema_of(2000)}, None),
+        ("POST", CHAT, {"model": MODEL_NAME, "messages": USER, "guided_json": {"not": {}}}, None),
+        ("POST", CHAT, {"model": MODEL_NAME, "messages": "x"}, None),
+        ("POST", CHAT, {"model": MODEL_NAME, "messages": USER, "temperature": "hot"}, None),
+        ("POST", "/v1/messages", {"model": MODEL_NAME, "messages": [], "max_tokens": 1}, None),
+        ("POST", "/v1/responses", {"model": MODEL_NAME, "input": 5}, None),
+        ("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": [10**9]}, None),
+        ("POST", CHAT, None, b"{" * 100),
+    ]  # fmt: skip
+    ok = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2}
+    for method, path, body, raw in bad:  # first round: whatever is built once (the worker, tables) is built
+        server.request(method, path, body, raw=raw)
+    start = _rss_mib()
+    statuses = []
+    for _ in range(30):
+        for method, path, body, raw in bad:
+            statuses.append(server.request(method, path, body, raw=raw)[0])
+        assert server.request("POST", "/v1/completions", ok)[0] == 200
+    assert all(400 <= s < 500 for s in statuses), sorted(set(statuses))
+    assert_pool_full(server.wait_idle())
+    assert _rss_mib() < 1.2 * start, (start, _rss_mib())
