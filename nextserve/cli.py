@@ -402,9 +402,15 @@ def _make_model_parser(sub) -> None:
         "preset's; the released model's is 20000000)",
     )  # fmt: skip
     p.add_argument(
-        "--quantization", choices=["fp8"], default=None,
+        "--quantization", choices=["fp8", "int4"], default=None,
         help="fp8: write the projections and experts block-wise FP8 (E4M3, 128 x 128 blocks, "
-        "weight_scale_inv), as Qwen's FP8 releases ship (default: none)",
+        "weight_scale_inv), as Qwen's FP8 releases ship; int4: W4A16 in compressed-tensors' pack-quantized "
+        "format, as llm-compressor writes it (round-to-nearest, symmetric) (default: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--group-size", type=int, default=128, metavar="G",
+        help="with --quantization int4: input columns that share a scale (default 128; it must divide every "
+        "quantized weight's input dimension: the small presets need 32 or 16)",
     )  # fmt: skip
     p.set_defaults(func=_run_make_model)
 
@@ -424,6 +430,7 @@ def _run_make_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     out = make_model(
         args.preset, Path(args.out), seed=args.seed, layout=args.layout, with_mtp=not args.no_mtp,
         overrides=overrides, dtype=getattr(torch, args.dtype), quantization=args.quantization,
+        group_size=args.group_size,
     )  # fmt: skip
     print(out)
     return 0

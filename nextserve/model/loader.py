@@ -35,8 +35,9 @@ from nextserve.model.checkpoint import (
     recipe_names,
     text_prefix,
 )
+from nextserve.model.packed import UnpackedInt4
 from nextserve.model.params import SCALE, Projection, fp8_parameters
-from nextserve.model.quant import default_fp8, read_quantization
+from nextserve.model.quant import Fp8Checkpoint, Int4Checkpoint, default_fp8, read_quantization
 from nextserve.model.shapes import expected_shapes
 from nextserve.ops.fp8 import BLOCK, FP8, dequantize, quantize, scale_shape
 from nextserve.ops.pinned import pinned_empty
@@ -83,13 +84,16 @@ class CheckpointReader:
         if not self.dir.is_dir():
             raise ConfigError(f"model directory {str(self.dir)!r} does not exist")
         self.cfg = cfg
+        self.scheme = read_quantization(cfg.quantization_config)
         self.ckpt = Checkpoint(self.dir, stack)
+        if isinstance(self.scheme, Int4Checkpoint):  # W4A16: read as the weights it stands for
+            self.ckpt = UnpackedInt4(self.ckpt, self.scheme)
         names = list(self.ckpt.where)
         if any(n.startswith("mtp.") for n in shapes) and not any(n.startswith("mtp.") for n in names):
             raise ConfigError(
                 f"checkpoint has no MTP weights (mtp.*) in {str(self.dir)!r}; run without MTP speculation"
             )
-        self.scheme = read_quantization(cfg.quantization_config)
+        self.fp8_scheme = self.scheme if isinstance(self.scheme, Fp8Checkpoint) else None
         self.prefix, self.shards = text_prefix(names), ple_shards(names)
         self.recipes = {rt: self._recipe(rt, shape) for rt, shape in shapes.items()}
         self.fp8_pieces = {rt: self._fp8(rt, r) for rt, r in self.recipes.items()}
@@ -105,7 +109,9 @@ class CheckpointReader:
         kinds = {self.ckpt.dtype(p.name) for p in r.pieces}
         fp8 = {k for k in kinds if k.startswith("F8")}
         if not fp8:
-            stray = [self.scheme.scale_name(p.name) for p in r.pieces] if self.scheme is not None else []
+            stray = (
+                [self.fp8_scheme.scale_name(p.name) for p in r.pieces] if self.fp8_scheme is not None else []
+            )
             if any(name in self.ckpt.where for name in stray):
                 raise ConfigError(f"tensor {r.pieces[0].name!r} is not FP8 but has scales beside it")
             return False
@@ -114,18 +120,18 @@ class CheckpointReader:
             raise ConfigError(f"tensor {first!r} is {sorted(fp8)}: only float8_e4m3fn (F8_E4M3) is read")
         if kinds != fp8:
             raise ConfigError(f"{runtime} mixes FP8 and {sorted(kinds - fp8)} checkpoint tensors ({first!r})")
-        if self.scheme is None:
+        if self.fp8_scheme is None:
             raise ConfigError(
-                f"tensor {first!r} is float8_e4m3fn but config.json has no quantization_config: its scales "
-                "cannot be read right"
+                f"tensor {first!r} is float8_e4m3fn but config.json has no FP8 quantization_config: its "
+                "scales cannot be read right"
             )
         for p in r.pieces:
             module = _module_of(p.name)
-            if not self.scheme.converted(module):
+            if not self.fp8_scheme.converted(module):
                 raise ConfigError(
                     f"tensor {p.name!r} is FP8 but quantization_config says {module} is not converted"
                 )
-            scale = self.scheme.scale_name(p.name)
+            scale = self.fp8_scheme.scale_name(p.name)
             if scale not in self.ckpt.where:
                 raise ConfigError(f"FP8 tensor {p.name!r} has no scales ({scale!r})")
             want = scale_shape(self.ckpt.shape(p.name))
@@ -144,8 +150,8 @@ class CheckpointReader:
         known: set[str] = set()
         for rt in full:
             known.update(recipe_names(self.ckpt, rt, self.cfg, self.prefix, self.shards))
-        if self.scheme is not None:
-            known |= {self.scheme.scale_name(n) for n in list(known)}
+        if self.fp8_scheme is not None:
+            known |= {self.fp8_scheme.scale_name(n) for n in list(known)}
         unread = [n for n in names if n not in known and not any(rule.search(n) for rule in SKIPPED)]
         if unread:
             shown = ", ".join(repr(n) for n in unread[:5])
@@ -163,6 +169,11 @@ class CheckpointReader:
             raise ConfigError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
         if mode == "none":
             return set()
+        if mode == "fp8" and isinstance(self.scheme, Int4Checkpoint):
+            raise ConfigError(
+                "--quantization fp8 of a W4A16 (int4) checkpoint would quantize quantized weights again: "
+                "serve it with --quantization auto (or none), or quantize its unquantized release"
+            )
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             if any(self.fp8_pieces.values()) or mode == "fp8":
                 log.warning(
@@ -214,7 +225,7 @@ class CheckpointReader:
         src = self.ckpt.read(piece.name)
         target = out[piece.index]
         if src.dtype == FP8:
-            s = self.ckpt.read(self.scheme.scale_name(piece.name)).float()
+            s = self.ckpt.read(self.fp8_scheme.scale_name(piece.name)).float()
             if scales is not None:  # FP8 in memory too: values and scales as they are
                 target.copy_(src)
                 scales[_scale_index(piece.index)].copy_(s)

@@ -20,7 +20,7 @@ from nextserve.config import ModelConfig
 from nextserve.model.checkpoint import INDEX_FILE
 from nextserve.model.loader import PROGRESS_MIN_BYTES
 from nextserve.model.presets import full_config, preset_overrides, text_config
-from nextserve.model.quant import fp8_config_json
+from nextserve.model.quant import fp8_config_json, int4_config_json
 from nextserve.model.random_tensors import PlannedTensor, checkpoint_tensors, initial_values, seed_for
 from nextserve.model.tokenizer_build import ENDOFTEXT, IM_END, build_tokenizer, default_corpus
 
@@ -112,16 +112,18 @@ def make_model(
     dtype: torch.dtype = torch.float32,
     overrides: dict[str, Any] | None = None,
     quantization: str | None = None,
+    group_size: int = 128,
 ) -> Path:
     """Write a random checkpoint of `preset` (text fields updated by `overrides`) to out_dir and return it.
 
     layout "text" is transformers' Qwen4ExpForCausalLM layout (`model.*`), "multimodal" the released one
     (`model.language_model.*` plus a tiny vision tower, config `qwen4_exp` with `text_config`).
     The directory gets config.json, generation_config.json, the tokenizer and the safetensors file(s).
-    `quantization="fp8"` writes the projections and experts block-wise FP8 (model/make_fp8.py).
+    `quantization="fp8"` writes the projections and experts block-wise FP8 (model/make_fp8.py); "int4" writes
+    them W4A16 in groups of `group_size` input columns (model/make_int4.py).
     """
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    if quantization not in (None, "fp8", "int4"):
+        raise ValueError(f"quantization must be None, 'fp8' or 'int4', got {quantization!r}")
     if layout not in ("text", "multimodal"):
         raise ValueError(f"layout must be 'text' or 'multimodal', got {layout!r}")
     text = text_config(preset, overrides)
@@ -135,6 +137,8 @@ def make_model(
     config = full_config(text, layout, dtype)
     if quantization == "fp8":
         config["quantization_config"] = fp8_config_json()
+    elif quantization == "int4":
+        config["quantization_config"] = int4_config_json(group_size)
     cfg = ModelConfig.from_dict(config)
     write_configs(out_dir, config, text["eos_token_id"], pad)
 
@@ -143,5 +147,9 @@ def make_model(
         from .make_fp8 import quantized
 
         tensors = quantized(tensors, cfg)
+    elif quantization == "int4":
+        from .make_int4 import quantized as quantized_int4
+
+        tensors = quantized_int4(tensors, cfg, group_size)
     write_safetensors(out_dir, tensors, shard_mib)
     return out_dir

@@ -79,7 +79,22 @@ def fp8_config_json() -> dict[str, Any]:
     }
 
 
-def read_quantization(qc: Any) -> Fp8Checkpoint | None:
+@dataclass(frozen=True)
+class Int4Checkpoint:
+    """A W4A16 checkpoint in compressed-tensors' pack-quantized format (ops/int4.py): 4-bit integer weights in
+    groups of `group` input columns (None: one group a row, strategy "channel"), symmetric or with zero
+    points, and the modules it keeps as they are. Its tensors are `X.weight_packed`, `X.weight_scale`,
+    `X.weight_shape` and, asymmetric, `X.weight_zero_point`."""
+
+    group: int | None
+    symmetric: bool
+    not_converted: tuple[str, ...] = ()
+
+    def converted(self, module: str) -> bool:
+        return not any(_matches(module, pattern, "compressed-tensors") for pattern in self.not_converted)
+
+
+def read_quantization(qc: Any) -> Fp8Checkpoint | Int4Checkpoint | None:
     """The checked scheme of a config's quantization_config (None: not quantized)."""
     if qc is None:
         return None
@@ -93,7 +108,8 @@ def read_quantization(qc: Any) -> Fp8Checkpoint | None:
     raise ConfigError(
         f"quantization_config quant_method {method!r} is not supported: nextserve reads block-wise FP8 "
         "checkpoints (quant_method 'fp8' with weight_block_size [128, 128], or compressed-tensors "
-        "FP8_BLOCK); serve the unquantized checkpoint, or one of those"
+        "FP8_BLOCK) and W4A16 ones (compressed-tensors pack-quantized); serve the unquantized checkpoint, "
+        "or one of those"
     )
 
 
@@ -119,7 +135,14 @@ def _fine_grained(qc: dict) -> Fp8Checkpoint:
     return Fp8Checkpoint("fp8", tuple(skip))
 
 
-def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
+def _compressed_tensors(qc: dict) -> Fp8Checkpoint | Int4Checkpoint:
+    groups = qc.get("config_groups")
+    if (
+        isinstance(groups, dict)
+        and groups
+        and all(((g or {}).get("weights") or {}).get("type") == "int" for g in groups.values())
+    ):
+        return _pack_quantized(qc, groups)
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise ConfigError(
@@ -155,3 +178,85 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
     if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
         raise ConfigError("compressed-tensors ignore must be a list of module names")
     return Fp8Checkpoint("compressed-tensors", tuple(ignore))
+
+
+def _pack_quantized(qc: dict, groups: dict) -> Int4Checkpoint:
+    """compressed-tensors W4A16: every config group 4-bit integer weights, one grouping, no activation
+    quantization, format pack-quantized."""
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ConfigError(
+            f"compressed-tensors quantization_status {status!r} is not supported ('compressed')"
+        )
+    if qc.get("kv_cache_scheme") is not None:
+        raise ConfigError("compressed-tensors kv_cache_scheme is not supported (the KV cache stays 16-bit)")
+    seen = set()
+    for name, group in groups.items():
+        w = group["weights"]
+        fmt = group.get("format") or qc.get("format")
+        if fmt != "pack-quantized":
+            raise ConfigError(
+                f"compressed-tensors format {fmt!r} of int weights is not supported ('pack-quantized')"
+            )
+        if w.get("num_bits") != 4:
+            raise ConfigError(
+                f"compressed-tensors config group {name!r} has {w.get('num_bits')!r}-bit int weights: "
+                "only 4-bit ones are read (W4A16)"
+            )
+        strategy = w.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ConfigError(
+                f"compressed-tensors config group {name!r} strategy {strategy!r} is not 'group' or 'channel'"
+            )
+        size = w.get("group_size") if strategy == "group" else None
+        if strategy == "group" and not (isinstance(size, int) and size > 0 and size % 8 == 0):
+            raise ConfigError(
+                f"compressed-tensors config group {name!r} group_size {size!r} is not a multiple of 8"
+            )
+        if w.get("actorder") not in (None, False):
+            order = w["actorder"]
+            raise ConfigError(
+                f"compressed-tensors config group {name!r} actorder {order!r}: activation-ordered weights "
+                "(a g_idx) are not read"
+            )
+        if w.get("dynamic", False):
+            raise ConfigError(f"compressed-tensors config group {name!r} has dynamic weights")
+        if (group or {}).get("input_activations") is not None:
+            raise ConfigError(
+                f"compressed-tensors config group {name!r} quantizes activations: only W4A16 (16-bit "
+                "activations) is read"
+            )
+        seen.add((size, bool(w.get("symmetric", True))))
+    if len(seen) != 1:
+        raise ConfigError(
+            f"compressed-tensors config groups differ in group size or symmetry: {sorted(seen)}"
+        )
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
+        raise ConfigError("compressed-tensors ignore must be a list of module names")
+    ((size, symmetric),) = seen
+    return Int4Checkpoint(size, symmetric, tuple(ignore))
+
+
+def int4_config_json(group: int = 128) -> dict[str, Any]:
+    """The quantization_config `make-model --quantization int4` writes: compressed-tensors W4A16 as
+    llm-compressor writes it (symmetric int4 in groups of `group`, the modules DEFAULT_NOT_CONVERTED
+    names left out)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+               "dynamic": False, "actorder": None, "observer": "minmax"}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },  # fmt: skip
+        "ignore": [f"re:.*{m}.*" for m in DEFAULT_NOT_CONVERTED],
+        "kv_cache_scheme": None,
+    }
