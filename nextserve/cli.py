@@ -40,8 +40,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "prefix_anchor_chunks": "with --prefix-cache-images: also keep an image every N chunks of long prompts "
     "(0: none)",
     "quantization": "auto: weights as the checkpoint stores them (block-wise FP8 ones stay FP8, read by the "
-    "FP8 kernels); fp8: also quantize a plain checkpoint's projections and experts block-wise on load; none: "
-    "dequantize an FP8 checkpoint to --dtype on load",
+    "FP8 kernels; W4A16 ones stay int4); fp8: also quantize a plain checkpoint's projections and experts "
+    "block-wise on load; int4: quantize them to 4 bits on load (round-to-nearest, symmetric, groups of 128); "
+    "none: dequantize a quantized checkpoint to --dtype on load",
     "ple_table": "where the PLE n-gram table lives (51B parameters in the released model): device, host "
     "(pinned host memory, its rows read by a kernel over the bus, so decode steps stay CUDA graphs), or auto "
     "(host when the device has no room for it)",

@@ -94,8 +94,8 @@ class EngineConfig:
             )
         if self.ple_table not in ("auto", "device", "host"):
             raise ConfigError(f"ple_table must be auto, device or host, got {self.ple_table!r}")
-        if self.quantization not in ("auto", "fp8", "none"):
-            raise ConfigError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
+        if self.quantization not in ("auto", "fp8", "int4", "none"):
+            raise ConfigError(f"quantization must be auto, fp8, int4 or none, got {self.quantization!r}")
         if self.speculative_method not in ("off", "ngram", "mtp"):
             raise ConfigError(
                 f"speculative_method must be off, ngram or mtp, got {self.speculative_method!r}"

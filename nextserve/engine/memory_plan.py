@@ -22,7 +22,7 @@ from ..cache.states import KindRange, StateSlots
 from ..config import ConfigError, ModelConfig
 from ..engine_config import EngineConfig
 from ..model.loader import CheckpointReader, model_fp8_capable
-from ..model.params import SCALE
+from ..model.params import QUANT_SUFFIXES
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import scale_shape
 
@@ -47,6 +47,7 @@ def weight_kind(name: str) -> str:
 class MemoryPlan:
     device: torch.device
     fp8: frozenset[str] = frozenset()  # runtime names held in FP8
+    int4: dict = field(default_factory=dict)  # runtime names held in int4: (group, scale dtype, symmetric)
     host: frozenset[str] = frozenset()  # runtime names in pinned host memory (the n-gram tables)
     weights: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, device|host) -> bytes
     slot_bytes: int = 0
@@ -77,6 +78,9 @@ class MemoryPlan:
                 lines.append(f"  weights on the {place}{held}: " + ", ".join(parts))
         if self.fp8:
             lines.append(f"  FP8 (block-wise E4M3) tensors: {len(self.fp8)}")
+        if self.int4:
+            groups = sorted({g for g, _, _ in self.int4.values()})
+            lines.append(f"  int4 (W4A16, groups of {', '.join(map(str, groups))}) tensors: {len(self.int4)}")
         state = self.slot_bytes * (self.slots + self.keep_slots)
         lines.append(
             f"  state slots: {self.slots} x {gib(self.slot_bytes)}"
@@ -104,12 +108,18 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _predicted_bytes(shapes: dict[str, tuple[int, ...]], fp8: set[str], host: set[str], dtype) -> dict:
+def _predicted_bytes(
+    shapes: dict[str, tuple[int, ...]], fp8: set[str], host: set[str], dtype, int4: dict | None = None
+) -> dict:
     elem = torch.empty((), dtype=dtype).element_size()
+    int4 = int4 or {}
     out: dict[tuple[str, str], int] = {}
     for name, shape in shapes.items():
         n = math.prod(shape)
         b = n + 4 * math.prod(scale_shape(shape)) if name in fp8 else n * elem
+        if name in int4:  # words, and a scale (and zero point) a group
+            group, scale_dtype, symmetric = int4[name]
+            b = n // 2 + (n // group) * (scale_dtype.itemsize + (0 if symmetric else 1))
         key = (weight_kind(name), "host" if name in host else "device")
         out[key] = out.get(key, 0) + b
     return out
@@ -119,7 +129,8 @@ def module_bytes(module: nn.Module, prefix: str = "") -> dict[tuple[str, str], i
     """What a loaded module's parameters take, by kind and place (an FP8 tensor's scales with it)."""
     out: dict[tuple[str, str], int] = {}
     for name, p in module.named_parameters():
-        rt = prefix + (name[: -len(SCALE)] if name.endswith(SCALE) else name)
+        suffix = next((s for s in QUANT_SUFFIXES if name.endswith(s)), "")
+        rt = prefix + (name[: -len(suffix)] if suffix else name)
         key = (weight_kind(rt), "host" if not p.is_cuda and p.is_pinned() else "device")
         out[key] = out.get(key, 0) + p.numel() * p.element_size()
     return out
@@ -163,18 +174,19 @@ def plan_memory(
     with ExitStack() as stack:
         reader = CheckpointReader(Path(config.model), cfg, shapes, stack)
         fp8 = reader.fp8_names(capable.__contains__, config.quantization, device)
+        int4 = reader.int4_names(capable.__contains__, config.quantization)
     plan = state_plan(config, cfg, device, dtype, steps)
-    plan.fp8 = frozenset(fp8)
+    plan.fp8, plan.int4 = frozenset(fp8), dict(int4)
     ple = {n for n in shapes if weight_kind(n) == "PLE"}
     host = ple if config.ple_table == "host" and device.type == "cuda" else set()
     if device.type == "cuda":
         plan.free_at_start, _ = torch.cuda.mem_get_info(device)
         if config.ple_table == "auto":
-            on_device = _predicted_bytes(shapes, fp8, set(), dtype)
+            on_device = _predicted_bytes(shapes, fp8, set(), dtype, int4)
             if _need(plan, on_device, config) > plan.free_at_start:
                 host = ple
     plan.host = frozenset(host)
-    plan.weights = _predicted_bytes(shapes, fp8, host, dtype)
+    plan.weights = _predicted_bytes(shapes, fp8, host, dtype, int4)
     if device.type == "cuda":
         _check_fits(plan, config, shapes, dtype, ple)
     return plan
@@ -192,10 +204,15 @@ def _check_fits(plan: MemoryPlan, config: EngineConfig, shapes, dtype, ple: set[
     if need <= plan.free_at_start:
         return
     hints = []
-    plain = [n for n in shapes if n not in plan.fp8 and weight_kind(n) in ("experts", "dense", "MTP")]
-    if plain and config.quantization != "fp8" and dtype != torch.float32:
-        saved = sum(math.prod(shapes[n]) for n in plain) * (torch.empty((), dtype=dtype).element_size() - 1)
+    plain = [n for n in shapes if n not in plan.fp8 and n not in plan.int4]
+    plain = [n for n in plain if weight_kind(n) in ("experts", "dense", "MTP")]
+    elem = torch.empty((), dtype=dtype).element_size()
+    if plain and config.quantization not in ("fp8", "int4") and dtype != torch.float32:
+        saved = sum(math.prod(shapes[n]) for n in plain) * (elem - 1)
         hints.append(f"--quantization fp8 (about {saved / GiB:.0f} GiB less)")
+    if plain and config.quantization != "int4" and dtype != torch.float32:
+        saved = sum(math.prod(shapes[n]) for n in plain) * (elem - 0.5 - elem / 128)
+        hints.append(f"--quantization int4 (about {saved / GiB:.0f} GiB less)")
     if ple and not plan.host:
         hints.append(
             f"--ple-table host ({plan.weights.get(('PLE', 'device'), 0) / GiB:.1f} GiB to host memory)"

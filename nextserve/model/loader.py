@@ -36,15 +36,18 @@ from nextserve.model.checkpoint import (
     text_prefix,
 )
 from nextserve.model.packed import UnpackedInt4
-from nextserve.model.params import SCALE, Projection, fp8_parameters
+from nextserve.model.params import INT4_SCALE, INT4_ZERO, SCALE, Projection, fp8_parameters, int4_parameters
 from nextserve.model.quant import Fp8Checkpoint, Int4Checkpoint, default_fp8, read_quantization
 from nextserve.model.shapes import expected_shapes
 from nextserve.ops.fp8 import BLOCK, FP8, dequantize, quantize, scale_shape
+from nextserve.ops.int4 import quantize_int4
 from nextserve.ops.pinned import pinned_empty
 
 log = logging.getLogger("nextserve.loader")
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 PROGRESS_MIN_BYTES = 1 << 30  # below ~1 GB a load takes seconds and a bar is noise
-QUANTIZATION_MODES = ("auto", "fp8", "none")
+QUANTIZATION_MODES = ("auto", "fp8", "int4", "none")
+INT4_GROUP = 128  # --quantization int4: input columns a scale covers (round-to-nearest, symmetric)
 
 # Checkpoint tensors no runtime tensor reads, by rule (anything else unread is an error).
 SKIPPED = (
@@ -122,7 +125,7 @@ class CheckpointReader:
             raise ConfigError(f"{runtime} mixes FP8 and {sorted(kinds - fp8)} checkpoint tensors ({first!r})")
         if self.fp8_scheme is None:
             raise ConfigError(
-                f"tensor {first!r} is float8_e4m3fn but config.json has no FP8 quantization_config: its "
+                f"tensor {first!r} is float8_e4m3fn but config.json has no quantization_config of FP8: its "
                 "scales cannot be read right"
             )
         for p in r.pieces:
@@ -191,6 +194,43 @@ class CheckpointReader:
                 out.add(rt)
         return out
 
+    def int4_names(
+        self, capable: Callable[[str], bool], mode: str
+    ) -> dict[str, tuple[int, torch.dtype, bool]]:
+        """Runtime tensors held in int4, each with (group, scale dtype, symmetric): a W4A16 checkpoint's
+        packed weights (mode auto or int4), or with mode "int4" a plain checkpoint's projections and experts
+        that `default_fp8`'s lists convert and whose input dimension the group divides (quantized as read);
+        only tensors an int4-capable op reads (`capable`), of pieces that keep whole rows."""
+        if mode not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+        if mode in ("none", "fp8") or self.fp8_scheme is not None:
+            if mode == "int4" and self.fp8_scheme is not None:
+                raise ConfigError(
+                    "--quantization int4 of an FP8 checkpoint would quantize quantized weights again: serve "
+                    "it with --quantization auto, or quantize its unquantized release"
+                )
+            return {}
+        out = {}
+        packed = self.ckpt.packed if isinstance(self.ckpt, UnpackedInt4) else {}
+        for rt, r in self.recipes.items():
+            if not capable(rt) or not self._whole_rows(r):
+                continue
+            if packed and all(p.name in packed for p in r.pieces):
+                first = packed[r.pieces[0].name]
+                group = self.scheme.group or first.k
+                scale = self.ckpt.ckpt.dtype(f"{first.module}.weight_scale")
+                out[rt] = (group, _TORCH_DTYPES[scale], self.scheme.symmetric)
+            elif mode == "int4" and not packed and r.shape[-1] % INT4_GROUP == 0:
+                if all(default_fp8().converted(_module_of(p.name)) for p in r.pieces):
+                    dtype = _TORCH_DTYPES.get(self.ckpt.dtype(r.pieces[0].name), torch.bfloat16)
+                    out[rt] = (INT4_GROUP, dtype if dtype.itemsize == 2 else torch.bfloat16, True)
+        return out
+
+    @staticmethod
+    def _whole_rows(r: Recipe) -> bool:
+        """Whether no piece slices the runtime tensor's last (input) dimension."""
+        return all(len(p.index) < len(r.shape) for p in r.pieces)
+
     @staticmethod
     def _aligned(r: Recipe) -> bool:
         """Whether every piece starts on a 128-row block of the runtime tensor (its scales then stack)."""
@@ -205,7 +245,9 @@ class CheckpointReader:
         """Fill dest (runtime name -> allocated tensor, FP8 ones with their `SCALE` tensors) from the
         recipes; the names must be exactly the recipes' (and the FP8 ones' scales)."""
         fp8 = {name for name, t in dest.items() if t.dtype == FP8}
-        want = set(self.recipes) | {n + SCALE for n in fp8}
+        int4 = {name for name, t in dest.items() if t.dtype == torch.int32 and name in self.recipes}
+        want = set(self.recipes) | {n + SCALE for n in fp8} | {n + INT4_SCALE for n in int4}
+        want |= {n + INT4_ZERO for n in int4 if n + INT4_ZERO in dest}
         if set(dest) != want:
             raise ConfigError(
                 f"the model's tensors and the checkpoint's differ: only in the model "
@@ -218,8 +260,25 @@ class CheckpointReader:
             for rt, r in self.recipes.items():
                 scales = dest.get(rt + SCALE)
                 for piece in r.pieces:
-                    self._read_piece(piece, dest[rt], scales, dtype)
+                    if rt in int4:
+                        self._read_int4(piece, dest[rt], dest[rt + INT4_SCALE], dest.get(rt + INT4_ZERO))
+                    else:
+                        self._read_piece(piece, dest[rt], scales, dtype)
                     bar.update(self.ckpt.nbytes(piece.name))
+
+    def _read_int4(self, piece, out: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
+        """A piece of an int4 runtime tensor: the checkpoint's packed words, scales and zero points as they
+        are, or (--quantization int4) a plain piece quantized as read."""
+        if isinstance(self.ckpt, UnpackedInt4) and piece.name in self.ckpt.packed:
+            words, s, z = self.ckpt.raw(piece.name)
+        else:
+            src = self.ckpt.read(piece.name).to(out.device)
+            w = quantize_int4(src, src.shape[-1] // scale.shape[-1], scale.dtype)
+            words, s, z = w.packed, w.scale, w.zero
+        out[piece.index].copy_(words)
+        scale[piece.index].copy_(s)
+        if zero is not None:
+            zero[piece.index].copy_(z)
 
     def _read_piece(self, piece, out: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> None:
         src = self.ckpt.read(piece.name)
@@ -319,11 +378,15 @@ def load_module(
     shapes = expected_shapes(cfg, layers, with_embed, with_head, with_mtp)
     with ExitStack() as stack:
         reader = CheckpointReader(Path(model_dir), cfg, shapes, stack)
-        fp8 = reader.fp8_names(fp8_capable(module, prefix).__contains__, quantization, torch.device(device))
-        materialize(module, device, dtype, {n[len(prefix) :] for n in fp8}, {n[len(prefix) :] for n in host})
+        capable = fp8_capable(module, prefix).__contains__
+        fp8 = reader.fp8_names(capable, quantization, torch.device(device))
+        int4 = reader.int4_names(capable, quantization)
+        strip = len(prefix)
+        materialize(module, device, dtype, {n[strip:] for n in fp8}, {n[strip:] for n in host},
+                    {n[strip:]: spec for n, spec in int4.items()})  # fmt: skip
         params = {prefix + n: p.data for n, p in module.named_parameters()}
         reader.read_into(params, dtype)
-    return fp8
+    return fp8 | set(int4)
 
 
 @contextmanager
@@ -339,17 +402,22 @@ def materialize(
     dtype: torch.dtype,
     fp8: set[str],
     host: set[str] = frozenset(),
+    int4: dict[str, tuple[int, torch.dtype, bool]] | None = None,
 ) -> None:
     """Give a meta-built module real storage on device: parameters named in `fp8` as FP8 (with their
-    scales), the others in dtype (uninitialised: a loader or a random fill follows), those in `host` in
+    scales), those in `int4` as packed int4 (their (group, scale dtype, symmetric): with their scales and
+    zero points), the others in dtype (uninitialised: a loader or a random fill follows), those in `host` in
     pinned host memory when device is a GPU; and its buffers recomputed (`init_buffers` of the modules
     that have them)."""
+    int4 = int4 or {}
     pinned = torch.device(device).type == "cuda"
     for mod_name, m in module.named_modules():
         for name, p in list(m.named_parameters(recurse=False)):
             full = f"{mod_name}.{name}" if mod_name else name
             if full in fp8:
                 fp8_parameters(m, name, device)
+            elif full in int4:
+                int4_parameters(m, name, device, *int4[full])
             elif full in host and pinned:
                 t = pinned_empty(p.shape, dtype)
                 m._parameters[name] = nn.Parameter(t, False)

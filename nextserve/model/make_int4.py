@@ -17,9 +17,11 @@ from .make_fp8 import runtime_name
 from .quant import DEFAULT_NOT_CONVERTED, Int4Checkpoint
 
 
-def quantized(tensors: list, cfg: ModelConfig, group: int) -> list:
+def quantized(tensors: list, cfg: ModelConfig, group: int, strict: bool = True) -> list:
     """The tensors (random_tensors.PlannedTensor) with each 2-D projection and per-expert weight that the
-    scheme converts replaced by its packed values, scales and shape, next to each other in file order."""
+    scheme converts replaced by its packed values, scales and shape, next to each other in file order. A
+    weight whose input dimension the group does not divide is an error, or with `strict` False stays as it
+    is (as --quantization int4 leaves it on load)."""
     capable = model_fp8_capable(cfg)  # (the projections and experts: the tensors a weight kernel reads)
     scheme = Int4Checkpoint(group, True, tuple(DEFAULT_NOT_CONVERTED))
     out = []
@@ -35,6 +37,9 @@ def quantized(tensors: list, cfg: ModelConfig, group: int) -> list:
         if len(t.shape) != 2:
             raise ValueError(f"{t.name}: int4 checkpoints are written with per-expert (2-D) weights only")
         n, k = t.shape
+        if k % group and not strict:
+            out.append(t)
+            continue
         if k % group:
             raise ValueError(f"{t.name}: group size {group} does not divide its input dimension {k}")
         q = _Quantized(t.make, group)
@@ -91,5 +96,5 @@ def quantize_checkpoint(src: Path, out: Path, group: int = 128) -> Path:
             for name in f.keys():
                 t = f.get_tensor(name)
                 tensors.append(PlannedTensor(name, tuple(t.shape), t.dtype, lambda t=t: t))
-    write_safetensors(out, quantized(tensors, ModelConfig.from_dir(src), group), None)
+    write_safetensors(out, quantized(tensors, ModelConfig.from_dir(src), group, strict=False), None)
     return out

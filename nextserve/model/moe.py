@@ -5,6 +5,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.fp8 import Fp8Weight
+from ..ops.int4 import Int4Weight
 from ..ops.linear import linear
 from ..ops.moe import experts, experts_of_chunks, route
 from ..ops.pointwise import sigmoid_gate, silu_mul
@@ -64,7 +65,7 @@ class SparseMoe(nn.Module):
 
     def fuse(self) -> None:
         parts = self._parts()
-        if not any(isinstance(p.operand, Fp8Weight) for p in parts):
+        if not any(isinstance(p.operand, Fp8Weight | Int4Weight) for p in parts):
             # NOTE: 1,793 rows in Flash-Next: a prefill GEMM with an output row of an odd length ran
             # cuBLAS's unaligned kernel (0.4 ms a 4,096-token chunk, 6x the aligned one)
             self.in_proj = fuse_rows(*parts, align=8)
@@ -85,8 +86,9 @@ class SparseMoe(nn.Module):
             fused = router if isinstance(router, Fp8Weight) else router[: E + 1], self.shared_gate_up
         else:
             return None
-        kinds = {isinstance(w, Fp8Weight) for w in (fused[1], self.shared_expert.down_proj.operand)}
-        kinds |= {isinstance(w, Fp8Weight) for w in (self.experts.gate_up, self.experts.down)}
+        kinds = {type(w) for w in (fused[1], self.shared_expert.down_proj.operand)}
+        kinds |= {type(w) for w in (self.experts.gate_up, self.experts.down)}
+        kinds = {torch.Tensor if issubclass(k, torch.Tensor) else k for k in kinds}  # (a Parameter is one)
         return fused if len(kinds) == 1 else None
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:

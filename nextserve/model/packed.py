@@ -116,18 +116,20 @@ class UnpackedInt4:
             if f"{p.module}.{part}" in self.ckpt.where
         )
 
-    def read(self, name: str) -> torch.Tensor:
-        p = self.packed.get(name)
-        if p is None:
-            return self.ckpt.read(name)
-        c = self.ckpt
+    def raw(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A packed weight's words, scales and (asymmetric) zero points as ops/int4.py holds them."""
+        p, c = self.packed[name], self.ckpt
         zero = None
         if not self.scheme.symmetric:
             from ..ops.int4 import unpack_int4
 
-            # the zero points are packed along the output dimension (compressed-tensors' packed_dim 0)
             zero = unpack_int4(c.read(f"{p.module}.weight_zero_point").T.contiguous(), p.n).T
-        scale = c.read(f"{p.module}.weight_scale")
+        return c.read(f"{p.module}.weight_packed"), c.read(f"{p.module}.weight_scale"), zero
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.packed:
+            return self.ckpt.read(name)
+        packed, scale, zero = self.raw(name)
         # NOTE: in the scales' dtype, as the library computes the weight (ops/int4.py); the loader's copy
         # into the model dtype is exact from a 16-bit weight into float32 or float64
-        return dequantize(c.read(f"{p.module}.weight_packed"), scale, zero, p.k, scale.dtype)
+        return dequantize(packed, scale, zero, self.packed[name].k, scale.dtype)

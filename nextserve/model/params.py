@@ -12,9 +12,12 @@ import torch
 from torch import nn
 
 from ..ops.fp8 import BLOCK, FP8, Fp8Weight, scale_shape
+from ..ops.int4 import Int4Weight, packed_width
 from ..ops.linear import linear
 
 SCALE = "_scale_inv"  # name suffix of an FP8 parameter's scales: `X.weight` -> `X.weight_scale_inv`
+INT4_SCALE, INT4_ZERO = "_scale", "_zero"  # an int4 parameter's group scales and (asymmetric) zero points
+QUANT_SUFFIXES = (SCALE, INT4_SCALE, INT4_ZERO)
 
 
 class Weight(nn.Module):
@@ -39,9 +42,37 @@ def fp8_parameters(module: nn.Module, name: str, device: torch.device | str) -> 
     module.register_parameter(name + SCALE, nn.Parameter(scale, requires_grad=False))
 
 
-def operand_of(module: nn.Module, name: str) -> torch.Tensor | Fp8Weight:
+def int4_parameters(
+    module: nn.Module,
+    name: str,
+    device: torch.device | str,
+    group: int,
+    scale_dtype: torch.dtype,
+    symmetric: bool,
+) -> None:
+    """Turn module's parameter `name` [..., N, K] into empty packed int4 words [..., N, K/8] (int32) with
+    `{name}_scale` [..., N, K/group] in `scale_dtype` and, asymmetric, `{name}_zero` (int8) beside it
+    (ops/int4.py's form; a loader fills them)."""
     p = getattr(module, name)
-    return Fp8Weight(p, getattr(module, name + SCALE)) if p.dtype == FP8 else p
+    *lead, n, k = p.shape
+    packed = torch.empty((*lead, n, packed_width(k)), dtype=torch.int32, device=device)
+    setattr(module, name, nn.Parameter(packed, requires_grad=False))
+    scale = torch.empty((*lead, n, k // group), dtype=scale_dtype, device=device)
+    module.register_parameter(name + INT4_SCALE, nn.Parameter(scale, requires_grad=False))
+    if not symmetric:
+        zero = torch.empty(scale.shape, dtype=torch.int8, device=device)
+        module.register_parameter(name + INT4_ZERO, nn.Parameter(zero, requires_grad=False))
+
+
+def operand_of(module: nn.Module, name: str) -> torch.Tensor | Fp8Weight | Int4Weight:
+    p = getattr(module, name)
+    if p.dtype == FP8:
+        return Fp8Weight(p, getattr(module, name + SCALE))
+    if p.dtype == torch.int32:  # (K is a multiple of the group, itself of 8: the words hold it exactly)
+        return Int4Weight(
+            p, getattr(module, name + INT4_SCALE), getattr(module, name + INT4_ZERO, None), p.shape[-1] * 8
+        )
+    return p
 
 
 class Projection(Weight):
@@ -58,6 +89,8 @@ def fuse_rows(*holders: Weight, align: int = 1) -> torch.Tensor | Fp8Weight | No
     # inside that block's scale), so every holder's scales stay its own: the GDN's 48-row b and a cost 160
     # padding rows of 16,640, and `project` drops the padding columns."""
     ops = [h.operand for h in holders]
+    if any(isinstance(w, Int4Weight) for w in ops):
+        return _fuse_int4(holders, ops)
     fp8 = [isinstance(w, Fp8Weight) for w in ops]
     if not any(fp8):
         rows = [h.weight.shape[0] for h in holders]
@@ -78,6 +111,24 @@ def fuse_rows(*holders: Weight, align: int = 1) -> torch.Tensor | Fp8Weight | No
     _share_rows(holders, q, "weight", rows)
     _share_rows(holders, scale, "weight" + SCALE, [n // BLOCK for n in rows[:-1]] + [-1])
     return Fp8Weight(q, scale)
+
+
+def _fuse_int4(holders, ops) -> Int4Weight | None:
+    """An int4 stack: words, scales (and zero points) of each holder's rows one after the other (packed
+    along K, so rows stack as they are); None when not every holder is int4 of one grouping."""
+    if not all(isinstance(w, Int4Weight) for w in ops):
+        return None
+    if len({(w.k, w.group, w.zero is None, w.scale.dtype) for w in ops}) != 1:
+        return None
+    rows = [h.weight.shape[0] for h in holders]
+    parts = {"weight": torch.cat([h.weight.data for h in holders])}
+    parts["weight" + INT4_SCALE] = torch.cat([getattr(h, "weight" + INT4_SCALE).data for h in holders])
+    if ops[0].zero is not None:
+        parts["weight" + INT4_ZERO] = torch.cat([getattr(h, "weight" + INT4_ZERO).data for h in holders])
+    for name, fused in parts.items():
+        _share_rows(holders, fused, name, rows)
+    zero = parts.get("weight" + INT4_ZERO)
+    return Int4Weight(parts["weight"], parts["weight" + INT4_SCALE], zero, ops[0].k)
 
 
 def padded_rows(holders) -> list[int]:
@@ -104,6 +155,8 @@ def project(
     if isinstance(stacked, Fp8Weight):
         parts = linear(x, stacked, ri).split(padded_rows(holders), dim=-1)
         return tuple(p[:, : h.weight.shape[0]] for p, h in zip(parts, holders, strict=True))
+    if isinstance(stacked, Int4Weight):
+        return linear(x, stacked, ri).split([h.weight.shape[0] for h in holders], dim=-1)
     if stacked is not None:
         rows = [h.weight.shape[0] for h in holders]
         return linear(x, stacked, ri)[:, : sum(rows)].split(rows, dim=-1)

@@ -4,11 +4,14 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import Fp8Weight
+from .int4 import Int4Weight
 from .triton import use_kernel
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, row_invariant: bool = False) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T -> [T, N]; `weight` may be block-wise FP8 (ops/fp8.py).
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight | Int4Weight, row_invariant: bool = False
+) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> [T, N]; `weight` may be block-wise FP8 (ops/fp8.py) or int4 (ops/int4.py).
 
     # On CUDA (not float64) the row-invariant path is one Triton kernel call (ops/triton/gemv.py), which
     # reads FP8 weights as they are and dequantizes them in registers; this per-row loop is its
@@ -19,7 +22,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, row_invariant: boo
     # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does
     # (with FP8 weights, on the weights dequantized for the call: on CUDA in one Triton pass,
     # ops/triton/fp8_dequant.py).
+    # int4 weights are dequantized for the call on every device (their kernels are still to come): the
+    # 16-bit paths below then run on the library's values of the weight, row-invariant where they are.
     """
+    if isinstance(weight, Int4Weight):
+        weight = weight.dequantize(x.dtype)
     if row_invariant and use_kernel(x):
         from .triton.gemv import small_m_linear
 

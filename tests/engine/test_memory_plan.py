@@ -70,10 +70,11 @@ def test_ple_table_flag_values():
         EngineConfig(ple_table=good)
     with pytest.raises(ConfigError, match="ple_table"):
         EngineConfig(ple_table="disk")
-    for good in ("auto", "fp8", "none"):
+    for good in ("auto", "fp8", "int4", "none"):
         EngineConfig(quantization=good)
-    with pytest.raises(ConfigError, match="quantization"):
-        EngineConfig(quantization="int4")
+    for bad in ("int8", "gptq", "", None, 4):
+        with pytest.raises(ConfigError, match="quantization"):
+            EngineConfig(quantization=bad)
 
 
 def test_the_table_names_the_host_arena():

@@ -284,3 +284,84 @@ def test_bad_w4a16_checkpoints_are_config_errors_naming_the_problem(
 def test_fp8_quantization_of_an_int4_checkpoint_is_refused(good) -> None:
     with pytest.raises(ConfigError, match="quantize quantized weights again"):
         LLM(str(good), quantization="fp8", **FLAGS)
+
+
+# ---- int4 in memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "asymmetric"])
+def test_w4a16_stays_int4_in_memory_with_the_outputs_of_its_dequantized_values(
+    hf_dir, tmp_path, symmetric
+) -> None:
+    int4_dir, _ = _checkpoints(hf_dir, tmp_path, symmetric, "group", 32)
+    held = LLM(str(int4_dir), dtype="float64", **FLAGS)
+    m = held.engine.model
+    assert m.layers["3"].self_attn.o_proj.weight.dtype == torch.int32  # packed words, 4 bits a value
+    assert m.layers["3"].self_attn.o_proj.weight_scale.dtype == torch.bfloat16
+    assert hasattr(m.layers["3"].self_attn.o_proj, "weight_zero") != symmetric
+    assert m.lm_head.weight.dtype == torch.float64  # (the ignore list's modules stay as they are)
+    none = LLM(str(int4_dir), dtype="float64", quantization="none", **FLAGS)
+    assert none.engine.model.layers["3"].self_attn.o_proj.weight.dtype == torch.float64
+    got, want = held.generate([PROMPT], PARAMS)[0], none.generate([PROMPT], PARAMS)[0]
+    assert got.token_ids == want.token_ids
+    assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+
+
+def test_quantization_int4_of_a_plain_checkpoint_is_the_w4a16_checkpoint_rtn_writes(tmp_path) -> None:
+    """--quantization int4 quantizes on load exactly as make_int4 writes a checkpoint (round-to-nearest,
+    symmetric, groups of 128): the same words and scales in memory, the same outputs; weights whose input
+    dimension 128 does not divide stay plain either way."""
+    from nextserve.model.make_int4 import quantize_checkpoint
+
+    plain = make_model("small", tmp_path / "plain", seed=3, dtype=torch.bfloat16)
+    written = quantize_checkpoint(plain, tmp_path / "written", 128)
+    on_load = LLM(str(plain), dtype="float32", quantization="int4", **FLAGS)
+    loaded = LLM(str(written), dtype="float32", **FLAGS)
+    ours = dict(on_load.engine.model.named_parameters())
+    theirs = dict(loaded.engine.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    held = [n for n, p in ours.items() if p.dtype == torch.int32]
+    assert any("experts.gate_up_proj" in n for n in held) and any("o_proj" in n for n in held), held
+    assert not any("experts.down_proj" in n for n in held)  # (the small preset's I = 64: not a group)
+    for n in ours:
+        assert torch.equal(ours[n], theirs[n]), n
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert on_load.generate([PROMPT], sp)[0].token_ids == loaded.generate([PROMPT], sp)[0].token_ids
+
+
+def test_the_memory_plan_counts_int4_weights_as_they_are_held(tmp_path) -> None:
+    from nextserve.engine.memory_plan import _predicted_bytes, module_bytes
+    from nextserve.model.shapes import expected_shapes
+
+    d = make_model("tiny", tmp_path / "q", seed=4, quantization="int4", group_size=16, dtype=torch.bfloat16)
+    llm = LLM(str(d), dtype="float32", **FLAGS)
+    cfg = ModelConfig.from_dir(d)
+    from contextlib import ExitStack
+
+    from nextserve.model.loader import CheckpointReader, model_fp8_capable
+
+    shapes = expected_shapes(cfg, with_mtp=False)
+    with ExitStack() as stack:
+        int4 = CheckpointReader(d, cfg, shapes, stack).int4_names(model_fp8_capable(cfg).__contains__, "auto")
+    predicted = _predicted_bytes(shapes, set(), set(), torch.float32, int4)
+    assert predicted == module_bytes(llm.engine.model)
+    assert (
+        predicted[("experts", "device")]
+        < sum(4 * math.prod(s) for n, s in shapes.items() if "experts" in n) / 6
+    )  # (4 bits and a 2-byte scale per 16 values against float32's 32 bits)
+
+
+def test_int4_through_pipeline_stages_and_mtp_speculation_gives_one_process_tokens(good) -> None:
+    """Each stage and the MTP block load their own int4 weights: the serial engine's tokens (C1)."""
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLM(str(good), dtype="float32", **FLAGS).generate([PROMPT], sp)[0].token_ids
+    staged = LLM(str(good), dtype="float32", pipeline_stages=2, **FLAGS)
+    try:
+        assert staged.generate([PROMPT], sp)[0].token_ids == want
+    finally:
+        staged.close()
+    mtp = LLM(str(good), dtype="float32", speculative_method="mtp", speculative_tokens=2, **FLAGS)
+    assert any(
+        n.startswith("mtp.") for n in mtp.engine.plan.int4
+    )  # (the MTP block's projections are int4 too)
+    assert mtp.generate([PROMPT], sp)[0].token_ids == want
