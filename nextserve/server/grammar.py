@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .grammar_check import dead_rule
-from .grammar_probe import CompileTimeout, CompileTooLarge, GrammarProbe, Source
+from .grammar_probe import CompileTimeout, GrammarProbe, Source
 from .prepare import GrammarTimeout
 
 log = logging.getLogger("nextserve.grammar")
@@ -128,14 +128,14 @@ class GrammarBackend:
             return self._compiler
 
     def warm_up(self) -> None:
-        """Builds the vocabulary table, and starts the compile worker, now rather than on the first
-        request (best effort)."""
+        """Builds the vocabulary table now rather than on the first request (best effort).
+
+        # NOTE: the compile worker starts with the first compile, not here (its start, about 2 s, is not
+        # counted against that compile's time): a server that never constrains an answer runs no worker."""
         try:
             self._get_compiler()
-            if self.probe is not None:
-                self.probe.warm_up()
-        except (GrammarUnavailable, CompileTimeout, CompileTooLarge) as exc:
-            log.warning("the grammar backend's warm-up: %s", exc or type(exc).__name__)
+        except GrammarUnavailable as exc:
+            log.warning("%s", exc)
 
     def close(self) -> None:
         if self.probe is not None:

@@ -159,7 +159,7 @@ def test_a_schema_with_20000_properties_is_refused_quickly_with_bounded_memory(s
 @pytest.mark.parametrize("extra, ok", [(0, True), (1, False)])
 def test_schema_nodes_at_and_past_the_limit(tiny_model_dir, extra, ok):
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(8)}}
-    nodes = 2 + 8  # the schema, its properties map, one object per property
+    nodes = 2 + 8 + 8  # the schema, its properties map, one object per property, and each property's name
     limits = ServerLimits(max_schema_nodes=nodes - extra)
     with live_server(tiny_model_dir, limits=limits) as srv:
         status, _, data = srv.request(
