@@ -143,13 +143,7 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint | Int4Checkpoint:
         and all(((g or {}).get("weights") or {}).get("type") == "int" for g in groups.values())
     ):
         return _pack_quantized(qc, groups)
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise ConfigError(
-            f"compressed-tensors quantization_status {status!r} is not supported ('compressed')"
-        )
-    if qc.get("kv_cache_scheme") is not None:
-        raise ConfigError("compressed-tensors kv_cache_scheme is not supported (the KV cache stays 16-bit)")
+    _check_compressed(qc)
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError("compressed-tensors quantization_config has no config_groups")
@@ -180,9 +174,8 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint | Int4Checkpoint:
     return Fp8Checkpoint("compressed-tensors", tuple(ignore))
 
 
-def _pack_quantized(qc: dict, groups: dict) -> Int4Checkpoint:
-    """compressed-tensors W4A16: every config group 4-bit integer weights, one grouping, no activation
-    quantization, format pack-quantized."""
+def _check_compressed(qc: dict) -> None:
+    """What both compressed-tensors formats need: weights stored compressed, a 16-bit KV cache."""
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise ConfigError(
@@ -190,6 +183,12 @@ def _pack_quantized(qc: dict, groups: dict) -> Int4Checkpoint:
         )
     if qc.get("kv_cache_scheme") is not None:
         raise ConfigError("compressed-tensors kv_cache_scheme is not supported (the KV cache stays 16-bit)")
+
+
+def _pack_quantized(qc: dict, groups: dict) -> Int4Checkpoint:
+    """compressed-tensors W4A16: every config group 4-bit integer weights, one grouping, no activation
+    quantization, format pack-quantized."""
+    _check_compressed(qc)
     seen = set()
     for name, group in groups.items():
         w = group["weights"]
