@@ -6,13 +6,13 @@ python benchmarks/bench_kernels.py gdn_chunk"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 import triton.testing
 
+from kernels import parse_no_flags
 from nextserve.bench import git_info, hardware
 from nextserve.ops.gdn import gated_delta_rule_reference
 from nextserve.ops.triton.gdn_chunk import triton_gated_delta_rule
@@ -48,9 +48,7 @@ def _decode_steps(q, k, v, gate, beta, plane, slots):
 
 
 def main() -> None:
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    parse_no_flags(__doc__)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []

@@ -6,12 +6,12 @@ python benchmarks/bench_kernels.py moe_decode"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 
+from kernels import parse_no_flags
 from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.bench.timing import graph_us as _graph_us
 from nextserve.bench.timing import kernel_us as _us
@@ -37,9 +37,7 @@ def _gbps(nbytes: int, us: float) -> float:
 
 
 def main() -> None:
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    parse_no_flags(__doc__)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = (torch.randn(E, 2 * I, H, device=dev, generator=g) / H**0.5).to(torch.bfloat16)

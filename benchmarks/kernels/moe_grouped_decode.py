@@ -15,7 +15,6 @@ python benchmarks/bench_kernels.py moe_grouped_decode"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ import time
 
 import torch
 
+from kernels import parse_no_flags
 from nextserve.bench import copy_bandwidth, git_info, hardware
 from nextserve.ops.moe import _experts_by_row
 from nextserve.ops.triton.moe_decode import routed_experts
@@ -114,9 +114,7 @@ def _gbps(nbytes: float, us: float) -> float:
 
 
 def main() -> None:
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    parse_no_flags(__doc__)
     t0 = time.time()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -6,13 +6,13 @@ python benchmarks/bench_kernels.py qsa_decode"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 import triton.testing
 
+from kernels import parse_no_flags
 from nextserve.bench import git_info, hardware
 from nextserve.ops.attention import (
     _index_scores_reference,
@@ -90,9 +90,7 @@ def _row(B: int, k_plane, v_plane, key_plane, table, g) -> dict:
 
 
 def main() -> None:
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    parse_no_flags(__doc__)
     dev = torch.device("cuda")
     dt = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

@@ -7,13 +7,13 @@ JSON; run on a CUDA machine: python benchmarks/bench_kernels.py qsa_prefill"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 import triton.testing
 
+from kernels import parse_no_flags
 from nextserve.bench import git_info, hardware
 from nextserve.ops.attention import (
     index_scores,
@@ -34,9 +34,7 @@ def _us(fn) -> float:
 
 
 def main() -> None:
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_args()
+    parse_no_flags(__doc__)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     n_pages = -(-(START + T) // PAGE)

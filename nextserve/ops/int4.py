@@ -127,8 +127,3 @@ def quantize_int4(w: torch.Tensor, group: int = 128, scale_dtype: torch.dtype | 
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).to(w.dtype).unsqueeze(-1)
     q = torch.round(groups / divisor).clamp(QMIN, QMAX).to(torch.int8).flatten(-2)
     return Int4Weight(pack_int4(q), scale, None, k)
-
-
-def operand(w: torch.Tensor | Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """A weight as a plain tensor of `dtype` (int4 weights dequantized): the reference paths' input."""
-    return w.dequantize(dtype) if isinstance(w, Int4Weight) else w

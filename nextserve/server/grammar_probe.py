@@ -122,10 +122,6 @@ class GrammarProbe:
     def _too_large(self) -> str:
         return f"compiling it needs more than {self.memory_mib:g} MiB (--grammar-memory-mib)"
 
-    def warm_up(self) -> None:
-        """Starts the worker now (its imports take seconds), with a compile of the smallest grammar."""
-        self.check(("ebnf", 'root ::= "a"', {}))
-
     def close(self) -> None:
         with self._lock:
             self._kill()

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import read_tensors, write_checkpoint
 from hf_oracle import TINY, save_hf_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import ConfigError, ModelConfig
@@ -65,39 +66,9 @@ def hf_dir(tmp_path_factory) -> Path:
     return save_hf_model(CFG, 5, tmp_path_factory.mktemp("hf_fp8_src"))
 
 
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        out |= load_file(f)
-    return out
-
-
-def _write(out: Path, src: Path, tensors: dict[str, torch.Tensor], qc: dict | None, shards: int = 1) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
-            shutil.copy(f, out / f.name)
-    config = json.loads((src / "config.json").read_text())
-    if qc is not None:
-        config["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(config))
-    names = sorted(tensors)
-    per = math.ceil(len(names) / shards)
-    weight_map = {}
-    for i in range(shards):
-        part = names[i * per : (i + 1) * per]
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
-        save_file({n: tensors[n].contiguous() for n in part}, out / fname)
-        weight_map |= {n: fname for n in part}
-    if shards > 1:
-        index = {"metadata": {}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return out
-
-
 def _fp8_checkpoints(src: Path, root: Path, fmt: str, shards: int = 1) -> tuple[Path, Path]:
     """(an FP8 checkpoint of `fmt`, the plain float64 checkpoint of its dequantized values)."""
-    plain, fp8, deq = _tensors(src), {}, {}
+    plain, fp8, deq = read_tensors(src), {}, {}
     suffix = "_scale_inv" if fmt == "fp8" else "_scale"
     for name, t in plain.items():
         module = name.removesuffix(".weight")
@@ -131,8 +102,8 @@ def _fp8_checkpoints(src: Path, root: Path, fmt: str, shards: int = 1) -> tuple[
         qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ignore,
               "quantization_status": "compressed", "config_groups": {"group_0": group}}  # fmt: skip
     return (
-        _write(root / f"fp8_{fmt}", src, fp8, qc, shards),
-        _write(root / f"deq_{fmt}", src, deq, None),
+        write_checkpoint(root / f"fp8_{fmt}", src, fp8, qc, shards),
+        write_checkpoint(root / f"deq_{fmt}", src, deq, None),
     )
 
 
@@ -171,8 +142,8 @@ def test_fp8_logits_are_transformers_on_the_dequantized_weights(hf_dir, tmp_path
     fp8_dir, deq_dir = _fp8_checkpoints(hf_dir, tmp_path, "fp8")
     # (in float32 for transformers, which takes a float64 file's dtype for its own computations; the
     # float32 rounding of the exact q * s is what nextserve's float32 dequantization computes)
-    deq = _tensors(deq_dir)
-    deq32 = _write(
+    deq = read_tensors(deq_dir)
+    deq32 = write_checkpoint(
         tmp_path / "deq32",
         hf_dir,
         {k: v.float() if v.is_floating_point() else v for k, v in deq.items()},
@@ -238,7 +209,7 @@ def _edit(src: Path, out: Path, config=None, tensors=None) -> Path:
         config(c)
         (out / "config.json").write_text(json.dumps(c))
     if tensors is not None:
-        t = _tensors(out)
+        t = read_tensors(out)
         tensors(t)
         for f in out.glob("*.safetensors"):
             f.unlink()

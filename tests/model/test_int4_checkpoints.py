@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import read_tensors, write_checkpoint
 from hf_oracle import TINY, save_hf_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import ConfigError, ModelConfig
@@ -41,26 +42,6 @@ PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprob
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     return save_hf_model(TINY, 7, tmp_path_factory.mktemp("hf_int4_src"))
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out |= load_file(f)
-    return out
-
-
-def _write(out: Path, src: Path, tensors: dict, qc: dict | None) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if not f.name.endswith((".safetensors", ".index.json")):
-            shutil.copy(f, out / f.name)
-    config = json.loads((src / "config.json").read_text())
-    if qc is not None:
-        config["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(config))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, out / "model.safetensors")
-    return out
 
 
 def _converted(name: str, t: torch.Tensor) -> bool:
@@ -93,7 +74,7 @@ def _checkpoints(src: Path, root: Path, symmetric: bool, strategy: str, group: i
     args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     packed, deq = {}, {}
-    for name, t in _tensors(src).items():
+    for name, t in read_tensors(src).items():
         if not _converted(name, t):
             packed[name], deq[name] = t, t
             continue
@@ -113,7 +94,9 @@ def _checkpoints(src: Path, root: Path, symmetric: bool, strategy: str, group: i
           "quantization_status": "compressed", "config_groups": {"group_0": group_cfg},
           "ignore": IGNORE}  # fmt: skip
     tag = f"{'sym' if symmetric else 'asym'}_{strategy}_{group}"
-    return _write(root / f"int4_{tag}", src, packed, qc), _write(root / f"deq_{tag}", src, deq, None)
+    return write_checkpoint(root / f"int4_{tag}", src, packed, qc), write_checkpoint(
+        root / f"deq_{tag}", src, deq, None
+    )
 
 
 @pytest.mark.parametrize(
@@ -165,7 +148,7 @@ def test_make_model_int4_is_read_back_by_the_library(tmp_path) -> None:
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
     args = QuantizationArgs(**qc["config_groups"]["group_0"]["weights"])
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    tensors = _tensors(d)
+    tensors = read_tensors(d)
     cfg = ModelConfig.from_dir(d)
     ours = load_weights(d, cfg, with_mtp=True)
     module = "model.layers.0.mlp.experts.3.down_proj"
@@ -199,8 +182,10 @@ def test_the_embedded_model_in_int4_keeps_its_held_out_loss(tmp_path, capsys) ->
         _, model, _ = load(d)
         loss[name] = validation_loss(model, ids, 256, 4)["val_loss"]
     # the same checkpoint with a wrong nibble order
-    bad = {k: _nibbles_swapped(v) if k.endswith("weight_packed") else v for k, v in _tensors(int4).items()}
-    wrong = _write(tmp_path / "wrong", int4, bad, None)
+    bad = {
+        k: _nibbles_swapped(v) if k.endswith("weight_packed") else v for k, v in read_tensors(int4).items()
+    }
+    wrong = write_checkpoint(tmp_path / "wrong", int4, bad, None)
     _, model, _ = load(wrong)
     loss["wrong nibble order"] = validation_loss(model, ids, 256, 4)["val_loss"]
     with capsys.disabled():
@@ -275,7 +260,7 @@ BAD = [
 def test_bad_w4a16_checkpoints_are_config_errors_naming_the_problem(
     good, tmp_path, tensors, qc, word
 ) -> None:
-    edit = None if tensors is None else tensors(_tensors(good))
+    edit = None if tensors is None else tensors(read_tensors(good))
     d = _edited(good, tmp_path / "bad", edit, qc)
     with pytest.raises(ConfigError, match=word):
         load_weights(d, ModelConfig.from_dir(d), with_mtp=True)

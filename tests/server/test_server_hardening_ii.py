@@ -173,7 +173,7 @@ def test_the_probe_bounds_time_and_memory_and_replaces_its_worker() -> None:
     opts = {"any_whitespace": True, "strict_mode": True}
     probe = GrammarProbe(info, memory_mib=4096, timeout_s=1.0)
     try:
-        probe.warm_up()
+        probe.check(("ebnf", 'root ::= "a"', {}))  # (starts the worker)
         with pytest.raises(CompileTimeout):
             probe.check(("json", json.dumps(_enum(40000)), opts))
         probe.check(("regex", "[cd]+", {}))  # a new worker
