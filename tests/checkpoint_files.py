@@ -42,3 +42,32 @@ def write_checkpoint(
         index = {"metadata": {}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out
+
+
+def logit_error_against_transformers(
+    model_dir: Path, hf_dir: Path, prompt: list[int]
+) -> tuple[float, set[str]]:
+    """(the largest difference of nextserve's float32 logits of `model_dir` from transformers' of `hf_dir`,
+    relative to transformers' largest logit; the runtime names nextserve holds quantized)."""
+    from hf_oracle import new_sequence
+    from transformers import Qwen4ExpForCausalLM
+
+    from nextserve.config import ModelConfig
+    from nextserve.model.batch import ForwardBatch, SeqChunk
+    from nextserve.model.flash_next import FlashNext
+    from nextserve.model.loader import load_module, meta_device
+
+    cfg = ModelConfig.from_dir(model_dir)
+    with meta_device():
+        model = FlashNext(cfg)
+    held = load_module(model, model_dir, cfg, torch.float32, torch.device("cpu"))
+    model.prepare()
+    hf = Qwen4ExpForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    hf.set_experts_implementation("eager")
+    ids = torch.tensor(prompt)
+    seq = new_sequence(cfg, torch.float32, len(prompt))
+    with torch.no_grad():
+        streams = model(ForwardBatch(ids, torch.arange(len(prompt)), [SeqChunk(seq, 0, len(prompt))], False))
+        ours = model.logits(streams)
+        ref = hf(ids[None]).logits[0]
+    return ((ours - ref).abs().max() / ref.abs().max()).item(), held

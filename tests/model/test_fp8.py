@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_files import read_tensors, write_checkpoint
+from checkpoint_files import logit_error_against_transformers, read_tensors, write_checkpoint
 from hf_oracle import TINY, save_hf_model
 from safetensors.torch import save_file
 
@@ -134,11 +134,6 @@ def test_fp8_checkpoint_equals_its_dequantized_weights_in_float64(hf_dir, tmp_pa
 
 
 def test_fp8_logits_are_transformers_on_the_dequantized_weights(hf_dir, tmp_path):
-    from transformers import Qwen4ExpForCausalLM
-
-    from nextserve.model.flash_next import FlashNext
-    from nextserve.model.loader import load_module, meta_device
-
     fp8_dir, deq_dir = _fp8_checkpoints(hf_dir, tmp_path, "fp8")
     # (in float32 for transformers, which takes a float64 file's dtype for its own computations; the
     # float32 rounding of the exact q * s is what nextserve's float32 dequantization computes)
@@ -149,25 +144,8 @@ def test_fp8_logits_are_transformers_on_the_dequantized_weights(hf_dir, tmp_path
         {k: v.float() if v.is_floating_point() else v for k, v in deq.items()},
         None,
     )
-    cfg = ModelConfig.from_dir(fp8_dir)
-    with meta_device():
-        model = FlashNext(cfg)
-    held = load_module(model, fp8_dir, cfg, torch.float32, torch.device("cpu"))
+    rel, held = logit_error_against_transformers(fp8_dir, deq32, PROMPT)
     assert "layers.0.mlp.experts.gate_up_proj" in held and "lm_head.weight" not in held
-    model.prepare()
-    hf = Qwen4ExpForCausalLM.from_pretrained(deq32, torch_dtype=torch.float32).eval()
-    hf.set_experts_implementation("eager")
-    from hf_oracle import new_sequence
-
-    from nextserve.model.batch import ForwardBatch, SeqChunk
-
-    ids = torch.tensor(PROMPT)
-    seq = new_sequence(cfg, torch.float32, len(PROMPT))
-    with torch.no_grad():
-        streams = model(ForwardBatch(ids, torch.arange(len(PROMPT)), [SeqChunk(seq, 0, len(PROMPT))], False))
-        ours = model.logits(streams)
-        ref = hf(ids[None]).logits[0]
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < 5e-6, rel
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_files import read_tensors, write_checkpoint
+from checkpoint_files import logit_error_against_transformers, read_tensors, write_checkpoint
 from hf_oracle import TINY, save_hf_model
 from safetensors.torch import save_file
 
@@ -114,29 +114,8 @@ def test_w4a16_equals_its_dequantized_weights_in_float64(
 
 
 def test_w4a16_logits_are_transformers_on_the_dequantized_weights(hf_dir, tmp_path) -> None:
-    from hf_oracle import new_sequence
-    from transformers import Qwen4ExpForCausalLM
-
-    from nextserve.model.batch import ForwardBatch, SeqChunk
-    from nextserve.model.flash_next import FlashNext
-    from nextserve.model.loader import load_module, meta_device
-
     int4_dir, deq_dir = _checkpoints(hf_dir, tmp_path, True, "group", 32)
-    cfg = ModelConfig.from_dir(int4_dir)
-    with meta_device():
-        model = FlashNext(cfg)
-    load_module(model, int4_dir, cfg, torch.float32, torch.device("cpu"))
-    model.prepare()
-    hf = Qwen4ExpForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
-    hf.set_experts_implementation("eager")
-    ids = torch.tensor(PROMPT)
-    seq = new_sequence(cfg, torch.float32, len(PROMPT))
-    with torch.no_grad():
-        ours = model.logits(
-            model(ForwardBatch(ids, torch.arange(len(PROMPT)), [SeqChunk(seq, 0, len(PROMPT))], False))
-        )
-        ref = hf(ids[None]).logits[0]
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    rel, _ = logit_error_against_transformers(int4_dir, deq_dir, PROMPT)
     assert rel < 5e-6, rel
 
 
