@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,13 +12,14 @@ import torch
 from ..config import DTYPES, ModelConfig
 from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
-from ..model.loader import fp8_capable, materialize, meta_device
-from ..model.params import SCALE
+from ..model.loader import INT4_GROUP, fp8_capable, materialize, meta_device
+from ..model.params import INT4_SCALE, SCALE
 from ..model.presets import preset_overrides, text_config
 from ..model.quant import default_fp8
 from ..model.random_tensors import initial_values, seed_for
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import BLOCK, quantize
+from ..ops.int4 import quantize_int4
 
 BENCH_EOS = 2  # make-model's <|im_end|> id; prompts are drawn from ids >= FIRST_PROMPT_ID, so never eos
 _FILL_CHUNK_ELEMS = 1 << 27  # random fill in slices of at most 128M elements (0.5 GB of fp32 temporaries)
@@ -55,6 +57,18 @@ def fp8_names(model: FlashNext) -> set[str]:
     }
 
 
+def int4_names(model: FlashNext) -> set[str]:
+    """What `--quantization int4` holds in int4 of a model: what `--quantization int4` of a checkpoint does
+    (the projections and experts DEFAULT_NOT_CONVERTED converts whose input dimension INT4_GROUP divides)."""
+    scheme = default_fp8()
+    shapes = dict(model.named_parameters())
+    return {
+        n
+        for n in fp8_capable(model)
+        if scheme.converted(n.removesuffix(".weight")) and shapes[n].shape[-1] % INT4_GROUP == 0
+    }
+
+
 def random_flash_next(
     cfg: ModelConfig,
     device: torch.device | str,
@@ -62,6 +76,7 @@ def random_flash_next(
     seed: int = 0,
     fp8: bool = False,
     ple_host: bool = False,
+    int4: bool = False,
 ) -> FlashNext:
     """A whole FlashNext with random weights drawn directly on `device` in `dtype`: no checkpoint.
 
@@ -71,18 +86,21 @@ def random_flash_next(
     (seed, name). The values therefore differ from a make-model checkpoint of the same seed; the
     distributions do not.
     Each parameter is allocated once, in its final dtype (no float32 copy of a 45 GB model): with `fp8`
-    the projections and experts are block-wise FP8 (`fp8_names`), quantized as drawn, chunk by chunk; with
-    `ple_host` (on a GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
+    the projections and experts are block-wise FP8 (`fp8_names`), quantized as drawn, chunk by chunk (with
+    `int4`: W4A16 in groups of INT4_GROUP, `int4_names`, symmetric round-to-nearest); with `ple_host` (on a GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
     """
     device = torch.device(device)
     with meta_device():
         model = FlashNext(cfg)
     shapes = expected_shapes(cfg)
+    assert not (fp8 and int4), "one weight format"
     quantized = fp8_names(model) if fp8 else set()
+    packed = {n: (INT4_GROUP, dtype, True) for n in int4_names(model)} if int4 else {}
     host = {n for n in shapes if "ngram_embedding" in n} if ple_host else set()
-    materialize(model, device, dtype, quantized, host)
-    params = {n: p for n, p in model.named_parameters() if not n.endswith(SCALE)}
-    scales = {n[: -len(SCALE)]: p for n, p in model.named_parameters() if n.endswith(SCALE)}
+    materialize(model, device, dtype, quantized, host, packed)
+    suffix = INT4_SCALE if int4 else SCALE
+    params = {n: p for n, p in model.named_parameters() if not n.endswith(suffix)}
+    scales = {n[: -len(suffix)]: p for n, p in model.named_parameters() if n.endswith(suffix)}
     if set(params) != set(shapes):
         raise RuntimeError(
             f"FlashNext parameters and loader names differ: only in model "
@@ -91,10 +109,11 @@ def random_flash_next(
     with torch.no_grad():
         for name, shape in shapes.items():
             p = params[name]
-            if tuple(p.shape) != shape:
+            held = (*p.shape[:-1], p.shape[-1] * 8) if int4 and name in scales else tuple(p.shape)  # (words)
+            if held != shape:
                 raise RuntimeError(f"{name}: model shape {tuple(p.shape)}, loader shape {shape}")
             gen = torch.Generator(device=device).manual_seed(seed_for(seed, name))
-            row = max(1, p.numel() // max(1, shape[0]))
+            row = max(1, math.prod(shape) // max(1, shape[0]))
             step = max(1, _FILL_CHUNK_ELEMS // row)
             if name in scales and len(shape) == 2:  # whole 128-row scale blocks a chunk
                 step = max(BLOCK, step // BLOCK * BLOCK)
@@ -102,9 +121,14 @@ def random_flash_next(
                 part = p[start : start + step]
                 # initial_values draws with torch.randn/rand: on the device's generator
                 with torch.device(device):
-                    values = initial_values(name, tuple(part.shape), gen)
+                    values = initial_values(name, (*part.shape[:-1], shape[-1]), gen)
                 if name not in scales:
                     part.copy_(values)
+                    continue
+                if int4:  # rows (or experts) as they are: a group never crosses a row
+                    w = quantize_int4(values, INT4_GROUP, dtype)
+                    part.copy_(w.packed)
+                    scales[name][start : start + step].copy_(w.scale)
                     continue
                 q, s = quantize(values)
                 part.copy_(q)

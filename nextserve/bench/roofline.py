@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from ..config import ModelConfig
+from ..model.loader import INT4_GROUP
 from ..model.shapes import expected_shapes
 
 
@@ -23,6 +24,7 @@ def decode_step_bytes(
     state_bytes: int = 4,
     fp8: frozenset[str] = frozenset(),
     host: frozenset[str] = frozenset(),
+    int4: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Bytes one decode step of `concurrency` sequences at `context` tokens each must move in device memory.
 
@@ -36,7 +38,8 @@ def decode_step_bytes(
       (min(context, budget + c - 1)), compressed indexer keys of every visible block when they must be
       scored (more visible blocks than block_topk); the new token's K/V and raw indexer key written.
     Activations and logits are not counted (a fused kernel keeps them on chip). The runtime names in `fp8`
-    are block-wise FP8 (a byte a value and a float32 scale a 128 x 128 block); those in `host` (the n-gram
+    are block-wise FP8 (a byte a value and a float32 scale a 128 x 128 block), those in `int4` W4A16 (half a
+    byte a value and a 16-bit scale a group of INT4_GROUP); those in `host` (the n-gram
     tables in pinned host memory) cross the bus, not device memory, and are counted apart.
     """
     B, t = concurrency, context
@@ -44,7 +47,7 @@ def decode_step_bytes(
     dense = routed = rows = host_rows = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
-        elem = 1 + 4 / (128 * 128) if name in fp8 else weight_bytes
+        elem = 1 + 4 / (128 * 128) if name in fp8 else 0.5 + 2 / INT4_GROUP if name in int4 else weight_bytes
         if name == "embed_tokens.weight":
             rows += B * shape[1] * elem
         elif name.endswith("ngram_embedding.weight"):
@@ -94,8 +97,9 @@ def decode_step_bytes(
 
 
 def roofline(
-    cfg: ModelConfig, concurrency: int, context: int, bandwidth: float, fp8=frozenset(), host=frozenset()
-) -> dict[str, Any]:
-    step = decode_step_bytes(cfg, concurrency, context, fp8=fp8, host=host)
+    cfg: ModelConfig, concurrency: int, context: int, bandwidth: float, fp8=frozenset(), host=frozenset(),
+    int4=frozenset(),
+) -> dict[str, Any]:  # fmt: skip
+    step = decode_step_bytes(cfg, concurrency, context, fp8=fp8, host=host, int4=int4)
     seconds = step["total"] / bandwidth
     return {"bytes_per_step": step, "step_s": seconds, "tok_per_s": round(concurrency / seconds, 1)}

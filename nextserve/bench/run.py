@@ -107,8 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: 300)",
     )  # fmt: skip
     p.add_argument(
-        "--quantization", choices=["none", "fp8"], default="none",
-        help="fp8: the projections and experts block-wise FP8, read by the FP8 kernels (default: none)",
+        "--quantization", choices=["none", "fp8", "int4"], default="none",
+        help="fp8: the projections and experts block-wise FP8, read by the FP8 kernels; int4: W4A16 in groups "
+        "of 128, read by the int4 kernels (default: none)",
     )  # fmt: skip
     p.add_argument(
         "--ple-table", choices=["device", "host"], default="device",
@@ -201,7 +202,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     def nextserve_engine():
         t = time.perf_counter()
         model = random_flash_next(
-            cfg, device, dtype, args.seed, fp8=args.quantization == "fp8", ple_host=args.ple_table == "host"
+            cfg, device, dtype, args.seed, fp8=args.quantization == "fp8", ple_host=args.ple_table == "host",
+            int4=args.quantization == "int4",
         )
         sync(device)
         built = time.perf_counter() - t
@@ -219,6 +221,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     model, engine, built = nextserve_engine()
     fp8 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    int4 = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.int32)
     host = frozenset(n for n, p in model.named_parameters() if p.device.type != device.type)  # pinned
     if device.type == "cuda":  # what is left for KV once the weights, slots and graphs are in
         free, total = torch.cuda.mem_get_info(device)
@@ -248,6 +251,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "quantization": args.quantization,
         "ple_table": args.ple_table,
         "fp8_tensors": len(fp8),
+        "int4_tensors": len(int4),
         "build_s": round(built, 2),
         "weights": "random, drawn on the device by nextserve.bench.random_flash_next (no checkpoint)",
     }
@@ -266,7 +270,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for B in args.concurrency:
         log(f"nextserve decode concurrency {B}")
         r = ns_decode(engine, decode_prompts[B], steps, meter)
-        r["roofline"] = roofline(cfg, B, round(r["mean_context"]), bandwidth, fp8, host)
+        r["roofline"] = roofline(cfg, B, round(r["mean_context"]), bandwidth, fp8, host, int4)
         r["roofline_fraction"] = round(r["decode_tok_per_s"] / r["roofline"]["tok_per_s"], 5)
         ns["decode"].append(r)
         run.save()

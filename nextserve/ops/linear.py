@@ -22,11 +22,10 @@ def linear(
     # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does
     # (with FP8 weights, on the weights dequantized for the call: on CUDA in one Triton pass,
     # ops/triton/fp8_dequant.py).
-    # int4 weights are dequantized for the call on every device (their kernels are still to come): the
-    # 16-bit paths below then run on the library's values of the weight, row-invariant where they are.
+    # int4 weights likewise: the GEMV reads their words in registers (ops/triton/int4_tiles.py), a prefill
+    # chunk runs F.linear on the weight dequantized in one pass (ops/triton/int4_dequant.py), and the
+    # reference paths run on the library's values of the weight (ops/int4.py dequantize).
     """
-    if isinstance(weight, Int4Weight):
-        weight = weight.dequantize(x.dtype)
     if row_invariant and use_kernel(x):
         from .triton.gemv import small_m_linear
 
@@ -35,7 +34,11 @@ def linear(
         from .triton.fp8_dequant import triton_dequantize
 
         weight = triton_dequantize(weight, x.dtype)
-    elif isinstance(weight, Fp8Weight):
+    elif isinstance(weight, Int4Weight) and use_kernel(x):
+        from .triton.int4_dequant import triton_dequantize_int4
+
+        weight = triton_dequantize_int4(weight, x.dtype)
+    elif isinstance(weight, Fp8Weight | Int4Weight):
         weight = weight.dequantize(x.dtype)
     if not row_invariant:
         return F.linear(x, weight)

@@ -3,7 +3,6 @@
 import torch
 import torch.nn.functional as F
 
-from .int4 import Int4Weight
 from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
@@ -79,8 +78,6 @@ def experts(
     # reads; the per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the
     # CPU path.
     """
-    if use_kernel(x):
-        gate_up, down, shared = _plain(x, gate_up, down, shared)
     if row_invariant:
         if use_kernel(x):
             from .triton.moe_grouped import grouped_decode_experts
@@ -116,20 +113,9 @@ def experts_of_chunks(
         return [experts(x, w, i, gate_up, down, False) for x, w, i in zip(xs, weights, ids, strict=True)]
     from .triton.moe_grouped import grouped_experts
 
-    gate_up, down, _ = _plain(xs[0], gate_up, down, None)
     block_m = default_block_m(ids[0].numel(), gate_up.shape[0])
     out = grouped_experts(torch.cat(xs), torch.cat(weights), torch.cat(ids), gate_up, down, block_m=block_m)
     return list(out.split(n))
-
-
-def _plain(x: torch.Tensor, gate_up, down, shared):
-    """The weights the CUDA kernels take: int4 stacks dequantized for the call (their kernels are still to
-    come; the CPU paths dequantize one expert at a time in `linear`)."""
-
-    def plain(w):
-        return w.dequantize(x.dtype) if isinstance(w, Int4Weight) else w
-
-    return plain(gate_up), plain(down), None if shared is None else tuple(plain(w) for w in shared)
 
 
 def _expert(gate_up, down, shared, e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,83 +1,213 @@
-"""W4A16 weights (ops/int4.py) against the compressed-tensors library, the format's own writer and reader:
-packing, round-to-nearest quantization and dequantization give its bits, for every group size and dtype a
-checkpoint ships, symmetric and asymmetric."""
+"""The int4 (W4A16) paths of the Triton kernels (ops/triton/int4_tiles.py: words read and dequantized in
+registers): the GEMV (plain, K-split), the grouped experts (decode and prefill, the shared expert too) and
+the one-pass dequantization of prefill chunks give their 16-bit twins' bits on the dequantized weights
+where the dot has no tensor-core path to choose (float32, and every dtype in Triton's interpreter), are
+close to float64 on them everywhere, and keep rows invariant (torch.equal) — for groups of 32, 64 and 128,
+per-channel scales, zero points, and K that is not a multiple of the tile.
+
+# NOTE: on a GPU the 16-bit int4 tiles reach tl.dot from registers, the twin's from memory: the compiler
+# may lower the two dots differently (as for FP8: tests/ops/test_fp8_kernels.py), so there the twin is a
+# closeness oracle, not a bit-for-bit one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from triton_interp import DEV, INTERPRET, needs_cuda, small
 
-from nextserve.ops.int4 import Int4Weight, dequantize, pack_int4, quantize_int4, unpack_int4
+from nextserve.ops.int4 import Int4Weight, quantize_int4
+from nextserve.ops.moe import _experts_by_row, route
 
-ct = pytest.importorskip("compressed_tensors")  # a test dependency: pip install -e ".[test]"
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
-
-
-@pytest.mark.parametrize("shape", [(5, 16), (3, 4, 24), (7, 13), (1, 8)])
-def test_packing_is_the_librarys(shape) -> None:
-    q = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    assert torch.equal(pack_int4(q), pack_to_int32(q, 4))
-    assert torch.equal(unpack_int4(pack_int4(q), shape[-1]), q)
-    assert torch.equal(unpack_from_int32(pack_int4(q), 4, torch.Size(shape)), q)
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+HERE = [pytest.param("here", marks=[] if INTERPRET else [pytest.mark.gpu])]
 
 
-def _library(w: torch.Tensor, args: QuantizationArgs) -> dict:
-    """What compressed-tensors writes for w: the observer's min-max qparams, then its compressor."""
-    k = w.shape[-1]
-    g = k if args.strategy == "channel" else args.group_size
-    groups = w.float().unflatten(-1, (k // g, g))
-    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
-    state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero.to(torch.int8)}
-    return PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args))
+def _int4(*shape: int, seed: int, group: int, dtype: torch.dtype, zero: bool = False) -> Int4Weight:
+    """Random weights [..., N, K] quantized as llm-compressor does (ops/int4.quantize_int4), scales in the
+    model dtype (bf16 checkpoints ship bf16 scales); `zero`: with random zero points (asymmetric)."""
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_int4(torch.randn(*shape, generator=g) / shape[-1] ** 0.5, group, dtype)
+    z = torch.randint(-3, 4, w.scale.shape, generator=g, dtype=torch.int8) if zero else None
+    return Int4Weight(w.packed.to(DEV), w.scale.to(DEV), None if z is None else z.to(DEV), w.k)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_round_to_nearest_quantization_is_the_librarys(dtype, group) -> None:
-    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(group)).to(dtype)
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
-    lib = _library(w, args)
-    ours = quantize_int4(w, group)
-    assert torch.equal(ours.packed, lib["weight_packed"]) and torch.equal(ours.scale, lib["weight_scale"])
-    back = PackedQuantizationCompressor.decompress(
-        dict(lib), QuantizationScheme(targets=["Linear"], weights=args)
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def _same_or_close(got: torch.Tensor, twin: torch.Tensor, dtype: torch.dtype) -> None:
+    if INTERPRET or dtype == torch.float32:
+        assert torch.equal(got, twin)
+    else:
+        assert _rel(got, twin.double()) < TOL[dtype]
+
+
+GEMV = [  # (N, K, group, K splits, zero points)
+    (40, 256, 128, 1, False),
+    (200, 384, 32, 2, False),
+    (24, 1024, 128, 3, True),
+    (130, 64, 64, None, False),
+    (33, 300, 300, None, True),  # per channel, K not a multiple of the tile nor of a word's 8
+]
+if not INTERPRET:
+    GEMV += [(14080, 2560, 128, None, False), (2560, 6144, 128, None, False), (640, 2560, 128, None, True)]
+
+
+@small
+@pytest.mark.parametrize("where", HERE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,group,splits,zero", GEMV)
+def test_int4_gemv_is_the_16_bit_kernel_on_dequantized_weights(where, dtype, N, K, group, splits, zero):
+    from nextserve.ops.triton.gemv import small_m_linear
+    from nextserve.ops.triton.gemv_config import gemv_config
+
+    w = _int4(N, K, seed=N + K, group=group, dtype=dtype, zero=zero)
+    x = torch.randn(20, K, generator=torch.Generator().manual_seed(1)).to(device=DEV, dtype=dtype)
+    got = small_m_linear(x, w, splits=splits)
+    cfg = gemv_config(N, K, dtype, int4=True)
+    twin = small_m_linear(x, w.dequantize(dtype), cfg.block_n, cfg.block_k, splits=splits or cfg.splits)
+    _same_or_close(got, twin, dtype)
+    assert _rel(got, torch.nn.functional.linear(x.double(), w.dequantize(torch.float64))) < TOL[dtype]
+    for m in (1, 3, 17):  # row invariance
+        assert torch.equal(small_m_linear(x[:m].clone(), w, splits=splits), got[:m]), m
+    for i in (0, 7, 19) if not INTERPRET else ():  # a row alone (triton_interp.py on the interpreter's dot)
+        assert torch.equal(small_m_linear(x[i : i + 1], w, splits=splits)[0], got[i])
+
+
+def test_int4_gemv_configuration():
+    """The int4 rule: BLOCK_K one group of 128, BLOCK_N widened while it still launches the target programs
+    (up to INT4_TILE_VALUES weights a tile), a function of the shape alone (C1)."""
+    from nextserve.ops.triton.gemv_config import INT4_BLOCK_K, INT4_TILE_VALUES, TARGET_PROGRAMS, gemv_config
+
+    for N, K in [(16480, 2560), (13952, 2560), (2560, 6144), (640, 2560), (40, 300), (4, 2048)]:
+        cfg = gemv_config(N, K, torch.bfloat16, int4=True)
+        assert cfg.block_k == INT4_BLOCK_K and cfg.block_n * cfg.block_k <= INT4_TILE_VALUES
+        wider = cfg.block_n * 2
+        assert cfg.block_n == 16 or -(-N // cfg.block_n) >= TARGET_PROGRAMS
+        assert wider * INT4_BLOCK_K > INT4_TILE_VALUES or -(-N // wider) < TARGET_PROGRAMS
+        assert cfg == gemv_config(N, K, torch.bfloat16, int4=True)
+
+
+@small
+@pytest.mark.parametrize("where", HERE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,zero", [(32, False), (128, True)])
+def test_int4_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype, group, zero):
+    from nextserve.ops.triton.moe_grouped import grouped_decode_experts, grouped_experts
+
+    E, H, I, k = (6, 256, 128, 2) if INTERPRET else (64, 2560, 640, 10)
+    q = dict(group=group, dtype=dtype, zero=zero)
+    gu, dn = _int4(E, 2 * I, H, seed=5, **q), _int4(E, H, I, seed=6, **q)
+    sgu, sdn = _int4(2 * I, H, seed=7, **q), _int4(H, I, seed=8, **q)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, H, generator=g).to(device=DEV, dtype=dtype)
+    logits = torch.randn(12, E + 1, generator=g).to(device=DEV, dtype=dtype)
+    w, ids = route(logits, k, True, shared=True)
+    deq = [t.dequantize(dtype) for t in (gu, dn, sgu, sdn)]
+    got = grouped_decode_experts(x, w, ids, gu, dn, shared=(sgu, sdn))
+    _same_or_close(got, grouped_decode_experts(x, w, ids, deq[0], deq[1], shared=(deq[2], deq[3])), dtype)
+    for m in (1, 5):  # row invariance; one row runs the deep pipeline, 5 and 12 rows STAGES: same bits
+        part = grouped_decode_experts(
+            x[:m].clone(), w[:m].clone(), ids[:m].clone(), gu, dn, shared=(sgu, sdn)
+        )
+        assert torch.equal(part, got[:m]), m
+    f64 = [t.dequantize(torch.float64) for t in (gu, dn, sgu, sdn)]
+    ref = _experts_by_row(x.double(), w.double(), ids, f64[0], f64[1], (f64[2], f64[3]))
+    assert _rel(got, ref) < TOL[dtype] * 4
+    w2, ids2 = route(logits[:, :E], k, True)
+    pre = grouped_experts(x, w2, ids2, gu, dn)
+    _same_or_close(pre, grouped_experts(x, w2, ids2, deq[0], deq[1]), dtype)
+    wide = grouped_experts(x, w, ids, gu, dn, block_m=128, shared=(sgu, sdn))  # 8 warps, the shared expert
+    _same_or_close(
+        wide, grouped_experts(x, w, ids, deq[0], deq[1], block_m=128, shared=(deq[2], deq[3])), dtype
     )
-    assert torch.equal(ours.dequantize(dtype), back["weight"])
 
 
-@pytest.mark.parametrize("strategy", ["group", "channel"])
-def test_asymmetric_dequantization_is_the_librarys(strategy) -> None:
-    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16) + 0.3
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy=strategy,
-                            group_size=32 if strategy == "group" else None)  # fmt: skip
-    lib = _library(w, args)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    back = PackedQuantizationCompressor.decompress(dict(lib), scheme)["weight"]
-    # the zero points are packed along the output dimension (the library's packed_dim 0)
-    zero = unpack_int4(lib["weight_zero_point"].T.contiguous(), w.shape[0]).T
-    ours = Int4Weight(lib["weight_packed"], lib["weight_scale"], zero, w.shape[-1])
-    assert torch.equal(ours.dequantize(torch.bfloat16), back)
-    assert (ours.dequantize(torch.float32) - w.float()).abs().max() < lib["weight_scale"].float().max()
+@small
+@pytest.mark.parametrize("where", HERE)
+def test_int4_experts_refuse_a_shared_expert_of_another_grouping(where):
+    from nextserve.ops.triton.moe_grouped import grouped_decode_experts
+
+    E, H, I = 4, 128, 64
+    gu, dn = (
+        _int4(E, 2 * I, H, seed=1, group=32, dtype=torch.float32),
+        _int4(E, H, I, seed=2, group=32, dtype=torch.float32),
+    )
+    sgu, sdn = (
+        _int4(2 * I, H, seed=3, group=64, dtype=torch.float32),
+        _int4(H, I, seed=4, group=64, dtype=torch.float32),
+    )
+    x = torch.randn(2, H).to(DEV)
+    w, ids = route(torch.randn(2, E + 1).to(DEV), 2, True, shared=True)
+    with pytest.raises(AssertionError, match="grouping"):
+        grouped_decode_experts(x, w, ids, gu, dn, shared=(sgu, sdn))
 
 
-def test_a_weight_is_rounded_to_its_scales_dtype_whatever_the_activations_and_bad_shapes_are_refused() -> (
-    None
-):
-    w = quantize_int4(torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16), 16)
-    q = unpack_int4(w.packed, 64).double()
-    exact = q * w.scale.double().repeat_interleave(16, dim=-1)
-    value = exact.to(torch.bfloat16)  # the library's weight: the product rounded to the scale's dtype
-    assert torch.equal(dequantize(w.packed, w.scale, None, 64, torch.float64), value.double())
-    assert torch.equal(dequantize(w.packed, w.scale, None, 64, torch.float32), value.float())
-    assert not torch.equal(value.double(), exact)  # (the rounding is real)
-    with pytest.raises(ValueError, match="packed width"):
-        Int4Weight(w.packed[:, :1], w.scale, None, 64)
-    with pytest.raises(ValueError, match="scale shape"):
-        Int4Weight(w.packed, w.scale[:, :3], None, 64)
-    with pytest.raises(ValueError, match="int32"):
-        Int4Weight(w.packed.to(torch.int64), w.scale, None, 64)
-    with pytest.raises(ValueError, match="does not divide"):
-        quantize_int4(torch.randn(4, 64), 48)
+@small
+@pytest.mark.parametrize("where", HERE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,group,zero", [((33, 256), 128, False), ((3, 40, 192), 32, True), ((20, 300), 300, False)]
+)
+def test_one_pass_int4_dequantize_is_the_reference(where, dtype, shape, group, zero):
+    from nextserve.ops.triton.int4_dequant import triton_dequantize_int4
+
+    w = _int4(*shape, seed=sum(shape), group=group, dtype=dtype, zero=zero)
+    assert torch.equal(triton_dequantize_int4(w, dtype), w.dequantize(dtype))
+
+
+@small
+@pytest.mark.parametrize("where", HERE)
+def test_the_reference_ops_dequantize_int4(where):
+    from nextserve.ops.linear import linear
+
+    w = _int4(33, 256, seed=10, group=64, dtype=torch.float32, zero=True)
+    x = torch.randn(3, 256, dtype=torch.float64, device=DEV)
+    want = torch.nn.functional.linear(x, w.dequantize(torch.float64))
+    assert torch.equal(linear(x, w, row_invariant=False), want)
+    assert torch.allclose(linear(x, w, row_invariant=True), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_linear_dequantizes_int4_prefill_chunks_in_one_pass(monkeypatch):
+    from nextserve.ops import int4
+    from nextserve.ops.linear import linear
+    from nextserve.ops.triton.int4_dequant import triton_dequantize_int4
+
+    w = _int4(640, 2560, seed=11, group=128, dtype=torch.bfloat16)
+    x = torch.randn(700, 2560, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, triton_dequantize_int4(w, torch.bfloat16))
+    monkeypatch.setattr(int4, "dequantize", lambda *a: pytest.fail("the torch dequantize ran"))
+    assert torch.equal(linear(x, w, row_invariant=False), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_int4_kernels_replay_in_a_cuda_graph_and_rows_stay_invariant_up_to_40():
+    from nextserve.ops.triton.gemv import small_m_linear
+    from nextserve.ops.triton.moe_grouped import grouped_decode_experts
+
+    w = _int4(2560, 10240, seed=11, group=128, dtype=torch.bfloat16)
+    x = torch.randn(40, 10240, device="cuda", dtype=torch.bfloat16)
+    want = small_m_linear(x, w)
+    for m in range(1, 41):
+        assert torch.equal(small_m_linear(x[:m].clone(), w), want[:m]), m
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = small_m_linear(x[:8], w)
+    graph.replay()
+    assert torch.equal(out, want[:8])
+    E, H, I, k = 512, 2560, 640, 10
+    gu, dn = (
+        _int4(E, 2 * I, H, seed=5, group=128, dtype=torch.bfloat16),
+        _int4(E, H, I, seed=6, group=128, dtype=torch.bfloat16),
+    )
+    xe = torch.randn(40, H, device="cuda", dtype=torch.bfloat16)
+    we, ids = route(torch.randn(40, E, device="cuda", dtype=torch.bfloat16), k, True)
+    full = grouped_decode_experts(xe, we, ids, gu, dn)
+    for m in (1, 2, 7, 16, 17, 33, 40):
+        assert torch.equal(
+            grouped_decode_experts(xe[:m].clone(), we[:m].clone(), ids[:m].clone(), gu, dn), full[:m]
+        )

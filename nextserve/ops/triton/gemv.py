@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Weight
+from ..int4 import Int4Weight
 from .common import (
     COUNTERS,
     fp8_bit_moves,
@@ -50,6 +51,7 @@ from .common import (
     unit_stride,
 )
 from .gemv_config import FP8_BLOCK_K, gemv_config, k_splits, preload_tiles
+from .int4_tiles import int4_launch_args, int4_tile
 
 BLOCK_M = 16
 REDUCE_BLOCK = 256
@@ -65,6 +67,7 @@ def _small_m_gemm(
     MIX_N: tl.constexpr = 0, mix_x_ptr=None, MIX_H=1, stride_mx=0, mix_inv_n=1.0,
     W_FP8: tl.constexpr = False, s_ptr=None, stride_sn=0, K_BLOCKS=1, POST_SCALE: tl.constexpr = False,
     FAST_FP8: tl.constexpr = False,
+    W_INT4: tl.constexpr = False, z_ptr=None, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -75,7 +78,9 @@ def _small_m_gemm(
     mix with mix_x [M, N] (`_mix_epilogue`). W_FP8: W is float8_e4m3fn with float32 scales s [cdiv(N, 128),
     K_BLOCKS] (row stride stride_sn), each tile dequantized in registers to x's dtype (`_weight_tile`); with
     POST_SCALE (BLOCK_K = 128, tiles on scale blocks) the tile's codes enter the dot as they are (exact in
-    x's dtype) and its float32 partial is scaled per column before it is added (`_dot_tile`)."""
+    x's dtype) and its float32 partial is scaled per column before it is added (`_dot_tile`). W_INT4: W is
+    int4 words [N, cdiv(K, 8)] with group scales s [N, K / GROUP] (zero points z, HAS_ZERO), each tile
+    dequantized in registers to ops/int4.py's values (int4_tiles.int4_tile)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -97,11 +102,19 @@ def _small_m_gemm(
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = rn < N
     mask_n = col_ok[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+    # NOTE: an int4 tile is BLOCK_K // 8 rows of words (k_lo is a multiple of BLOCK_K, so of 8)
+    W_STEP: tl.constexpr = BLOCK_K // 8 if W_INT4 else BLOCK_K
+    if W_INT4:
+        w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo // 8 + tl.arange(0, W_STEP))[:, None]
+    else:
+        w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     if W_FP8:
         s_rows = s_ptr + (rn // 128) * stride_sn  # [BLOCK_N] each column's row of scales
+    elif W_INT4:
+        s_rows = s_ptr + rn.to(tl.int64) * stride_sn  # [BLOCK_N] each column's row of group scales
     else:
         s_rows = w_ptr  # unused
+    z_rows = z_ptr + rn.to(tl.int64) * stride_sn if HAS_ZERO else s_rows
     ty = x_ptr.dtype.element_ty
     # NOTE: the split's first PRELOAD (<= 4) weight tiles are loaded before the PDL wait: no kernel writes
     # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
@@ -113,19 +126,25 @@ def _small_m_gemm(
     # engine (K = 256) part from the dequantized checkpoint's within 8 tokens (tests/gpu/test_fp8_engine.py,
     # BENCHMARKS.md, Decode). Either way the rule is a function of (N, K, dtype): rows stay invariant.
     if PRELOAD > 0:
-        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
+        w0 = _weight_tile(
+            w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
+            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
+        )  # fmt: skip
     if PRELOAD > 1:
         w1 = _weight_tile(
-            w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
-        )
+            w_ptrs + W_STEP, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
+            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
+        )  # fmt: skip
     if PRELOAD > 2:
         w2 = _weight_tile(
-            w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
-        )
+            w_ptrs + 2 * W_STEP, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
+            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
+        )  # fmt: skip
     if PRELOAD > 3:
         w3 = _weight_tile(
-            w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
-        )
+            w_ptrs + 3 * W_STEP, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
+            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
+        )  # fmt: skip
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     pdl_start(PDL)
     if MIX_N > 0:  # issued before the K loop, used after it
@@ -142,13 +161,16 @@ def _small_m_gemm(
     if PRELOAD > 3:
         acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k_lo + 3 * BLOCK_K + rk, k_hi, IEEE)
     x_ptrs += PRELOAD * BLOCK_K
-    w_ptrs += PRELOAD * BLOCK_K
+    w_ptrs += PRELOAD * W_STEP
     for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
-        w = _weight_tile(w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST, FAST_FP8)
+        w = _weight_tile(
+            w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST, FAST_FP8,
+            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
+        )  # fmt: skip
         c = _tile_scale(s_rows, k0, col_ok, POST)
         acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE, c, POST)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += W_STEP
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     if SPLIT:
         MN = M.to(tl.int64) * N
@@ -182,13 +204,19 @@ def _small_m_gemm(
 def _weight_tile(
     w_ptrs, mask_n, k0, rk, k_hi, W_FP8: tl.constexpr, s_rows, col_ok, K_BLOCKS, ty: tl.constexpr,
     POST: tl.constexpr = False, FAST: tl.constexpr = False,
+    W_INT4: tl.constexpr = False, z_rows=None, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
+    BK: tl.constexpr = 16, BN: tl.constexpr = 16,
 ):  # fmt: skip
-    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. FP8: each
+    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. W_INT4: from
+    the words at w_ptrs [BLOCK_K // 8, BLOCK_N] and the group scales (int4_tiles.int4_tile). FP8: each
     value times its 128 x 128 block's scale in float32, rounded to ty (ops/fp8.py dequantize's roundings),
     from the two scale columns a tile of up to 256 K columns starting on a multiple of BLOCK_K can touch;
     with POST the codes only, in ty (exact: every E4M3 value is a 16-bit float; FAST: by bit moves,
     common.fp8_codes), scaled after the dot."""
     kk = k0 + rk
+    if W_INT4:  # (BK, BN: the tile's BLOCK_K, BLOCK_N)
+        w_mask = mask_n & ((k0 + tl.arange(0, BK // 8) * 8) < k_hi)[:, None]
+        return int4_tile(w_ptrs, w_mask, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BK, BN, HAS_ZERO)
     w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
     if POST:
         w = fp8_codes(w, ty, FAST)
@@ -271,7 +299,7 @@ def _sum_splits(
 
 def small_m_linear(
     x: torch.Tensor,
-    weight: torch.Tensor | Fp8Weight,
+    weight: torch.Tensor | Fp8Weight | Int4Weight,
     block_n: int | None = None,
     block_k: int | None = None,
     *,
@@ -295,13 +323,14 @@ def small_m_linear(
     (the hyper-connections' down projection and its activation in one launch; the same bits).
     `preload=False` loads no weight tile before the PDL wait (the same bits; for the benchmark).
     `post_scale=False` runs an FP8 weight as a dequantized tile in the 16-bit configuration instead (the
-    path before POST_SCALE, kept for the benchmark's side by side)."""
+    path before POST_SCALE, kept for the benchmark's side by side). An int4 weight (ops/int4.py) runs its own
+    configuration (`gemv_config(..., int4=True)`), each tile dequantized in registers."""
     x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
-    weight, fp8 = _weight_args(weight, x, post_scale)
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K, (x.shape, weight.shape)
-    cfg = gemv_config(N, K, x.dtype, fp8=fp8.get("POST_SCALE", False))
+    weight, fp8 = _weight_args(weight, x, post_scale)
+    cfg = _config(N, K, x.dtype, fp8)
     bn = block_n or cfg.block_n
     bk = block_k or cfg.block_k
     if splits is None and (bn, bk) == (cfg.block_n, cfg.block_k):
@@ -311,6 +340,7 @@ def small_m_linear(
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     assert not fp8 or bk <= 256, "an FP8 tile spans at most two 128-column scale blocks"
     assert not fp8.get("POST_SCALE") or bk == FP8_BLOCK_K, "a post-scaled FP8 tile is one scale block"
+    assert not fp8.get("W_INT4") or (bk % 8 == 0 and bk >= 16), "an int4 tile is whole words, 16 or more"
     pre = preload_tiles(tiles) if preload is not False else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -336,7 +366,7 @@ def small_m_linear(
 
 
 def small_m_linear_mix(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, xn: torch.Tensor, n: int, hidden: int
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight | Int4Weight, xn: torch.Tensor, n: int, hidden: int
 ) -> torch.Tensor | None:
     """u [M, hidden] = the stream mix (ops/hyper.py mix_streams, sigmoid gates) of xn [M, n*hidden] by the
     logits x [M, K] @ weight[n*hidden, K]^T, in one launch: the hyper-connections' up projection and mix,
@@ -345,13 +375,14 @@ def small_m_linear_mix(
     as the GEMV's are. None where the weight's configuration does not allow it (K split, or a tile not a
     whole number of positions' streams)."""
     x = unit_stride(x)
-    (weight, fp8), xn = _weight_args(weight, x), unit_stride(xn)
     M, K = x.shape
     N = weight.shape[0]
-    cfg = gemv_config(N, K, x.dtype, fp8=bool(fp8))
+    assert weight.shape[1] == K, (x.shape, weight.shape)
+    (weight, fp8), xn = _weight_args(weight, x), unit_stride(xn)
+    cfg = _config(N, K, x.dtype, fp8)
     if N != n * hidden or cfg.splits != 1 or cfg.block_n % n or hidden % (cfg.block_n // n):
         return None
-    assert xn.shape == (M, N) and weight.shape[1] == K, (x.shape, weight.shape, xn.shape)
+    assert xn.shape == (M, N), (x.shape, xn.shape)
     u = torch.empty((M, hidden), dtype=x.dtype, device=x.device)
     if M == 0:
         return u
@@ -368,10 +399,15 @@ def small_m_linear_mix(
     return u
 
 
+def _config(N: int, K: int, dtype: torch.dtype, args: dict):
+    """The configuration of a weight whose launch keywords are `args` (`_weight_args`)."""
+    return gemv_config(N, K, dtype, fp8=args.get("POST_SCALE", False), int4=args.get("W_INT4", False))
+
+
 def _weight_args(
-    weight: torch.Tensor | Fp8Weight, x: torch.Tensor, post_scale: bool = True
+    weight: torch.Tensor | Fp8Weight | Int4Weight, x: torch.Tensor, post_scale: bool = True
 ) -> tuple[torch.Tensor, dict]:
-    """The weight values a kernel reads and, for FP8 weights, its scale arguments.
+    """The weight values a kernel reads and, for FP8 and int4 weights, their scale arguments.
 
     # NOTE: an FP8 weight runs its own configuration (`gemv_config(N, K, x.dtype, fp8=True)`): tiles of one
     # 128 x 128 scale block's columns whose codes enter the dot unscaled (exact in 16-bit floats), each
@@ -382,6 +418,9 @@ def _weight_args(
     # kernel and does a multiply per column a tile instead of a dequantization per weight.
     # `post_scale=False`: the earlier form (each tile dequantized as ops/fp8.py does, in the 16-bit
     # configuration), for the benchmark."""
+    if isinstance(weight, Int4Weight):
+        packed, scale, zero, keys = int4_launch_args(weight)
+        return packed, dict(W_INT4=True, s_ptr=scale, stride_sn=scale.stride(0), z_ptr=zero) | keys
     if not isinstance(weight, Fp8Weight):
         return weight.contiguous(), {}
     q, scale = weight.q.contiguous(), weight.scale.contiguous()

@@ -59,33 +59,39 @@ FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
     (2560, 6144, torch.bfloat16): (32, 128, 8),  # GDN out, QSA o_proj: 12.0 us against the rule's 19.9
 }
 
+INT4_BLOCK_K = 128  # an int4 tile's K columns: one group of the usual 128 (one scale a column a tile)
+INT4_TILE_VALUES = 8192  # weights per tile (4 KiB of words): as many values as an FP8 tile holds
+INT4_NUM_STAGES = 8  # as FP8: a stage holds a quarter of a 16-bit stage's weight bytes
+
 
 @functools.cache
 def gemv_config(
     N: int, K: int, dtype: torch.dtype, target: int = TARGET_PROGRAMS, min_split: int = MIN_SPLIT_K_TILES,
-    fp8: bool = False,
+    fp8: bool = False, int4: bool = False,
 ) -> Config:  # fmt: skip
     """The launch configuration for an [N, K] weight: a function of (N, K, dtype, fp8) only (it sets the
     numerics: a row's bits are fixed for a given config, whatever M). `target` and `min_split` are the
     rule's constants, overridden only by the benchmark that compares rules (which then ignores TUNED).
     `fp8`: an FP8 weight scaled after each tile's dot (POST_SCALE): tiles of one 128-column scale block,
-    BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile), FP8_NUM_STAGES deep."""
+    BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile), FP8_NUM_STAGES deep.
+    `int4`: the same rule over tiles of INT4_BLOCK_K columns and up to INT4_TILE_VALUES weights."""
     rule = (target, min_split) == (TARGET_PROGRAMS, MIN_SPLIT_K_TILES)
     tuned = (FP8_TUNED if fp8 else TUNED).get((N, K, dtype)) if rule else None
-    if tuned is not None:
+    if tuned is not None and not int4:
         block_n, block_k, want = tuned
         splits = k_splits(N, K, block_n, block_k, want=want)
-    elif fp8:
-        block_k = FP8_BLOCK_K
+    elif fp8 or int4:
+        # (FP8: a value is a byte, so FP8_TILE_BYTES is a count of values, as INT4_TILE_VALUES is)
+        block_k, values = (INT4_BLOCK_K, INT4_TILE_VALUES) if int4 else (FP8_BLOCK_K, FP8_TILE_BYTES)
         block_n = 16
-        while block_n * 2 * block_k <= FP8_TILE_BYTES and triton.cdiv(N, block_n * 2) >= target:
+        while block_n * 2 * block_k <= values and triton.cdiv(N, block_n * 2) >= target:
             block_n *= 2
         splits = k_splits(N, K, block_n, block_k, target=target, min_split=min_split)
     else:
         block_n = 32 if triton.cdiv(N, 32) >= target else 16
         block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
         splits = k_splits(N, K, block_n, block_k, target=target, min_split=min_split)
-    stages = FP8_NUM_STAGES if fp8 else NUM_STAGES
+    stages = INT4_NUM_STAGES if int4 else FP8_NUM_STAGES if fp8 else NUM_STAGES
     return Config(block_n, block_k, *splits, num_warps=4, num_stages=stages, preload=preload_tiles(splits[1]))
 
 

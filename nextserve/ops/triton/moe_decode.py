@@ -122,14 +122,16 @@ def _down_combine(
 
 def expert_shapes(x, weights, ids, gate_up, down) -> tuple[int, int, int, int]:
     """(M, H, k, I) of an experts call, after checking the shapes the kernels assume: x [M, H],
-    weights and ids [M, k], gate_up [E, 2I, H] and down [E, H, I] with unit stride on the last dim."""
+    weights and ids [M, k], gate_up [E, 2I, H] and down [E, H, I] (plain ones with unit stride on the last
+    dim)."""
     M, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = gate_up.shape
     I = two_i // 2
     assert gate_up.shape == (E, 2 * I, H) and down.shape == (E, H, I), (gate_up.shape, down.shape)
     assert weights.shape == ids.shape == (M, k), (weights.shape, ids.shape)
-    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    # (FP8 and int4 weights: their kernels' arguments are made unit-stride)
+    assert all(w.stride(-1) == 1 for w in (gate_up, down) if isinstance(w, torch.Tensor))
     return M, H, k, I
 
 

@@ -71,8 +71,10 @@ import triton
 import triton.language as tl
 
 from ..fp8 import Fp8Weight
+from ..int4 import Int4Weight
 from ..moe import default_block_m
 from .common import pdl_args, pdl_start
+from .int4_tiles import check_block_k, int4_launch_args, int4_tile
 from .moe_decode import expert_shapes
 from .moe_plan import BLOCK_M, plan
 
@@ -128,11 +130,15 @@ def _gate_up(
     PDL: tl.constexpr = False,
     W_FP8: tl.constexpr = False, gus_ptr=None, sgus_ptr=None, stride_gus_e=0, stride_gus_r=0,
     N_FAST: tl.constexpr = False,
+    W_INT4: tl.constexpr = False, guz_ptr=None, sguz_ptr=None, GROUP: tl.constexpr = 1,
+    HAS_ZERO: tl.constexpr = False,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
     (the shared expert; -1: none). W_FP8: the weights are float8_e4m3fn, with float32 scales [E, 2I/128,
-    cdiv(H, 128)] at gus_ptr (the shared expert's at sgus_ptr), each tile dequantized in registers."""
+    cdiv(H, 128)] at gus_ptr (the shared expert's at sgus_ptr), each tile dequantized in registers. W_INT4:
+    int4 words [E, 2I, H / 8] with group scales [E, 2I, H / GROUP] at gus_ptr (zero points at guz_ptr; the
+    shared expert's at sgus_ptr, sguz_ptr), each tile dequantized in registers (int4_tiles.int4_tile)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -149,17 +155,38 @@ def _gate_up(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * H + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sgu_ptr, gu_ptr + e.to(tl.int64) * stride_gu_e)
-    g_ptrs = base + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
+    W_STEP: tl.constexpr = BLOCK_K // 8 if W_INT4 else BLOCK_K  # (an int4 tile: BLOCK_K // 8 word rows)
+    g_ptrs = base + rn[None, :] * stride_gu_n + tl.arange(0, W_STEP)[:, None]  # [BK, BN] ([BK // 8, BN])
     u_ptrs = g_ptrs + I * stride_gu_n
     ty = x_ptr.dtype.element_ty
     if W_FP8:
         s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
         gs_rows = s_base + (rn // 128) * stride_gus_r  # [BN] (I is a multiple of 128: up rows follow)
         us_rows = s_base + ((rn + I) // 128) * stride_gus_r
+    if W_INT4:
+        s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
+        gs_rows = s_base + rn * stride_gus_r  # [BN] each column's row of group scales
+        us_rows = gs_rows + I * stride_gus_r
+        z_base = tl.where(e == E_SHARED, sguz_ptr, guz_ptr + e.to(tl.int64) * stride_gus_e)
+        gz_rows = z_base + rn * stride_gus_r
+        uz_rows = gz_rows + I * stride_gus_r
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
+        if W_INT4:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                w_mask = None if EVEN_N else mask_n[None, :]
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & ((k0 + rk) < H)[None, :], other=0.0)
+                w_mask = ((k0 + tl.arange(0, W_STEP) * 8) < H)[:, None] & mask_n[None, :]
+            wg = int4_tile(
+                g_ptrs, w_mask, gs_rows, gz_rows, k0, rk, H, mask_n, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
+            )
+            wu = int4_tile(
+                u_ptrs, w_mask, us_rows, uz_rows, k0, rk, H, mask_n, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
+            )
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             if EVEN_N:
                 wg = tl.load(g_ptrs)
@@ -178,8 +205,8 @@ def _gate_up(
         acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        g_ptrs += W_STEP
+        u_ptrs += W_STEP
     dt = act_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
@@ -199,9 +226,12 @@ def _down(
     PDL: tl.constexpr = False,
     W_FP8: tl.constexpr = False, ds_ptr=None, sds_ptr=None, stride_ds_e=0, stride_ds_r=0,
     N_FAST: tl.constexpr = False,
+    W_INT4: tl.constexpr = False, dz_ptr=None, sdz_ptr=None, GROUP: tl.constexpr = 1,
+    HAS_ZERO: tl.constexpr = False,
 ):  # fmt: skip
     """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile).
-    W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`)."""
+    W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`).
+    W_INT4: int4 words [E, H, I / 8], group scales [E, H, I / GROUP] at ds_ptr (as `_gate_up`)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -216,14 +246,30 @@ def _down(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sdown_ptr, down_ptr + e.to(tl.int64) * stride_d_e)
-    d_ptrs = base + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
+    W_STEP: tl.constexpr = BLOCK_K // 8 if W_INT4 else BLOCK_K
+    d_ptrs = base + rn[None, :] * stride_d_h + tl.arange(0, W_STEP)[:, None]  # [BK, BN] ([BK // 8, BN])
     ty = act_ptr.dtype.element_ty
     if W_FP8:
         s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
         ds_rows = s_base + (rn // 128) * stride_ds_r  # [BN]
+    if W_INT4:
+        s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
+        ds_rows = s_base + rn * stride_ds_r  # [BN]
+        z_base = tl.where(e == E_SHARED, sdz_ptr, dz_ptr + e.to(tl.int64) * stride_ds_e)
+        dz_rows = z_base + rn * stride_ds_r
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
+        if W_INT4:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                w_mask = None if EVEN_N else mask_n[None, :]
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & ((k0 + rk) < I)[None, :], other=0.0)
+                w_mask = ((k0 + tl.arange(0, W_STEP) * 8) < I)[:, None] & mask_n[None, :]
+            wd = int4_tile(
+                d_ptrs, w_mask, ds_rows, dz_rows, k0, rk, I, mask_n, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
+            )
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             if EVEN_N:
                 wd = tl.load(d_ptrs)
@@ -237,7 +283,7 @@ def _down(
             wd = _fp8_tile(wd, ds_rows, k0, ty)
         acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        d_ptrs += BLOCK_K
+        d_ptrs += W_STEP
     dt = yw_ptr.dtype.element_ty
     pair = tl.load(order_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     wt = tl.load(w_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
@@ -293,9 +339,29 @@ def _fp8_args(w, shared_w, name: str, shared_name: str, block_k: int, split_rows
     return w.q.contiguous(), shared_w.q, keys
 
 
+def _int4_args(w, shared_w, name: str, shared_name: str, zero: str, shared_zero: str):
+    """(routed words, shared words, kernel keywords) of int4 expert weights (ops/int4.py): the words, and
+    the scale and zero-point pointers with the scales' strides (zero points have the scales' shape).
+
+    # NOTE: the shared expert's scales and zero points are read with the routed experts' strides, like its
+    # words; it must have their grouping."""
+    assert isinstance(shared_w, Int4Weight), "a shared expert not in int4 with int4 routed experts"
+    packed, scale, zeros, keys = int4_launch_args(w)
+    if shared_w is w:  # (no shared expert: a placeholder no block reads)
+        s_packed, s_scale, s_zeros = packed, scale, zeros
+    else:
+        s_packed, s_scale, s_zeros, s_keys = int4_launch_args(shared_w)
+        assert s_keys == keys, f"the shared expert's grouping {s_keys} is not the routed experts' {keys}"
+        assert s_packed.stride() == packed.stride()[1:] and s_scale.stride() == scale.stride()[1:], "strides"
+    keys = keys | {"W_INT4": True, f"{name}_ptr": scale, f"{shared_name}_ptr": s_scale}
+    keys |= {f"{zero}_ptr": zeros, f"{shared_zero}_ptr": s_zeros}
+    keys |= {f"stride_{name}_e": scale.stride(0), f"stride_{name}_r": scale.stride(1)}
+    return packed, s_packed, keys
+
+
 def decode_stages(rows: int, fp8: bool) -> int:
-    """The decode kernels' pipeline depth for `rows` rows: FP8_DEEP_STAGES for FP8 weights at up to
-    FP8_DEEP_ROWS rows, else STAGES."""
+    """The decode kernels' pipeline depth for `rows` rows: FP8_DEEP_STAGES for FP8 (and int4) weights at up
+    to FP8_DEEP_ROWS rows, else STAGES."""
     return FP8_DEEP_STAGES if fp8 and rows <= FP8_DEEP_ROWS else STAGES
 
 
@@ -327,7 +393,7 @@ def grouped_decode_experts(
     they are never chosen from M or the routing. The pipeline depth (stages, stages_down; None:
     `decode_stages`) follows M, and changes no bits. A repeated id in a row is still summed, in slot
     order, as the reference does."""
-    depth = decode_stages(x.shape[0], isinstance(gate_up, Fp8Weight))
+    depth = decode_stages(x.shape[0], isinstance(gate_up, Fp8Weight | Int4Weight))
     return _grouped(
         x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages or depth, stages_down or depth, block_h_combine, sort=False, shared=shared,
@@ -385,12 +451,19 @@ def _grouped(
     second axis)."""
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
-    gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
-    down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
+    w_bytes = 0.5 if isinstance(gate_up, Int4Weight) else 1 if isinstance(gate_up, Fp8Weight) else None
+    if isinstance(gate_up, Int4Weight):
+        check_block_k(block_k), check_block_k(block_k_down)
+        gate_up, sgu, gu_fp8 = _int4_args(gate_up, sgu, "gus", "sgus", "guz", "sguz")
+        down, sdown, down_fp8 = _int4_args(down, sdown, "ds", "sds", "dz", "sdz")
+    else:
+        gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
+        down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
+    w_bytes = w_bytes or gate_up.element_size()  # a weight's bytes (int4: half a byte)
     a_bytes = block_m * x.element_size()  # an A tile's bytes per K column
-    gu_stage = block_k * (a_bytes + 2 * block_n * gate_up.element_size())
-    down_stage = block_k_down * (a_bytes + block_n_down * down.element_size())
+    gu_stage = int(block_k * (a_bytes + 2 * block_n * w_bytes))
+    down_stage = int(block_k_down * (a_bytes + block_n_down * w_bytes))
     stages = _fit(stages, gu_stage, triton.cdiv(H, block_k))
     stages_down = _fit(stages_down, down_stage, triton.cdiv(I, block_k_down))
     if shared is not None:  # NOTE: its rows are read with the routed experts' row strides

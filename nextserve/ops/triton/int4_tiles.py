@@ -1,0 +1,74 @@
+"""Pieces the int4 (W4A16) kernels share: packed words to a weight tile in registers, and what a launch
+passes for an Int4Weight (ops/int4.py's layout: eight 4-bit values along K to an int32 word, lowest bits
+first, stored plus 8; scales [.., N, K / G] in a 16-bit dtype; optional int8 zero points of that shape).
+
+# NOTE: a tile's weights get ops/int4.py `dequantize`'s bits: (stored - 8 - zero) is an integer of at most
+# 5 bits and the scale a 16-bit float, so their product is exact in float32, and it is rounded once to the
+# scale's dtype (the weight's value as the format library computes it), then given the activations' dtype.
+# The kernels then compute as their 16-bit twins do on those values (float32 accumulation, the same
+# tiling): in the interpreter and in float32 the twins' bits; in 16-bit dtypes on a GPU a dot fed from
+# registers may be lowered differently from one fed from memory (ops/fp8.py's NOTE), so there: close.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..int4 import Int4Weight
+
+PER_WORD = 8  # 4-bit values in one int32 word
+
+
+@triton.jit
+def unpack_words(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K // 8, BLOCK_N] int32 words -> their [BLOCK_K, BLOCK_N] signed values (stored - 8, int32):
+    row 8 * j + i is value i of word row j (bits 4i..4i+3)."""
+    shifts = tl.arange(0, 8) * 4
+    v = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK // 8, 8, BN]
+    return tl.reshape(v, (BLOCK_K, BLOCK_N)) - 8
+
+
+@triton.jit
+def int4_tile(
+    w_ptrs, w_mask, s_rows, z_rows, k0, rk, k_hi, col_ok, ty: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_K, BLOCK_N] weight tile of K columns k0 + rk (k0 a multiple of BLOCK_K), in ty, from the
+    words at w_ptrs [BLOCK_K // 8, BLOCK_N] (w_mask: which to load, None for all) and each column's row
+    of group scales s_rows [BLOCK_N] (zero points z_rows with HAS_ZERO). A tile inside one group (GROUP a
+    multiple of BLOCK_K) loads one scale a column; otherwise each value's group scale is gathered (columns
+    past k_hi and masked-off columns get scale 0). The module NOTE gives the roundings."""
+    if w_mask is None:
+        words = tl.load(w_ptrs)
+    else:
+        words = tl.load(w_ptrs, mask=w_mask, other=0)
+    q = unpack_words(words, BLOCK_K, BLOCK_N)
+    if GROUP % BLOCK_K == 0:
+        g = k0 // GROUP
+        s = tl.load(s_rows + g, mask=col_ok, other=0.0)[None, :]
+        if HAS_ZERO:
+            q -= tl.load(z_rows + g, mask=col_ok, other=0)[None, :].to(tl.int32)
+    else:
+        kk = k0 + rk
+        m = (kk < k_hi)[:, None] & col_ok[None, :]
+        g = (kk // GROUP)[:, None]
+        s = tl.load(s_rows[None, :] + g, mask=m, other=0.0)
+        if HAS_ZERO:
+            q -= tl.load(z_rows[None, :] + g, mask=m, other=0).to(tl.int32)
+    return (q.to(tl.float32) * s.to(tl.float32)).to(s_rows.dtype.element_ty).to(ty)
+
+
+def int4_launch_args(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(words, scales, zero points or the scales as a placeholder, constexpr keywords) of an int4 weight
+    for a kernel: unit-stride words and scales, GROUP, HAS_ZERO."""
+    packed = w.packed if w.packed.stride(-1) == 1 else w.packed.contiguous()
+    scale = w.scale.contiguous()
+    zero = scale if w.zero is None else w.zero.contiguous()
+    return packed, scale, zero, {"GROUP": w.group, "HAS_ZERO": w.zero is not None}
+
+
+def check_block_k(block_k: int) -> None:
+    """A K tile of int4 weights is whole words, and a dot's K is at least 16."""
+    assert block_k % PER_WORD == 0 and block_k >= 16, block_k
