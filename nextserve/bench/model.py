@@ -87,7 +87,8 @@ def random_flash_next(
     distributions do not.
     Each parameter is allocated once, in its final dtype (no float32 copy of a 45 GB model): with `fp8`
     the projections and experts are block-wise FP8 (`fp8_names`), quantized as drawn, chunk by chunk (with
-    `int4`: W4A16 in groups of INT4_GROUP, `int4_names`, symmetric round-to-nearest); with `ple_host` (on a GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
+    `int4`: W4A16 in groups of INT4_GROUP, `int4_names`, symmetric round-to-nearest); with `ple_host` (on a
+    GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
     """
     device = torch.device(device)
     with meta_device():

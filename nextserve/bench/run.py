@@ -108,8 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--quantization", choices=["none", "fp8", "int4"], default="none",
-        help="fp8: the projections and experts block-wise FP8, read by the FP8 kernels; int4: W4A16 in groups "
-        "of 128, read by the int4 kernels (default: none)",
+        help="fp8: the projections and experts block-wise FP8, read by the FP8 kernels; int4: W4A16 in "
+        "groups of 128, read by the int4 kernels (default: none)",
     )  # fmt: skip
     p.add_argument(
         "--ple-table", choices=["device", "host"], default="device",
