@@ -202,7 +202,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     def nextserve_engine():
         t = time.perf_counter()
         model = random_flash_next(
-            cfg, device, dtype, args.seed, fp8=args.quantization == "fp8", ple_host=args.ple_table == "host",
+            cfg,
+            device,
+            dtype,
+            args.seed,
+            fp8=args.quantization == "fp8",
+            ple_host=args.ple_table == "host",
             int4=args.quantization == "int4",
         )
         sync(device)
