@@ -218,7 +218,7 @@ class CheckpointReader:
             if packed and all(p.name in packed for p in r.pieces):
                 first = packed[r.pieces[0].name]
                 group = self.scheme.group or first.k
-                scale = self.ckpt.ckpt.dtype(f"{first.module}.weight_scale")
+                scale = self.ckpt.dtype(r.pieces[0].name)  # (a packed weight's dtype is its scales')
                 out[rt] = (group, _TORCH_DTYPES[scale], self.scheme.symmetric)
             elif mode == "int4" and not packed and r.shape[-1] % INT4_GROUP == 0:
                 if all(default_fp8().converted(_module_of(p.name)) for p in r.pieces):

@@ -81,14 +81,20 @@ def fp8_config_json() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Int4Checkpoint:
-    """A W4A16 checkpoint in compressed-tensors' pack-quantized format (ops/int4.py): 4-bit integer weights in
-    groups of `group` input columns (None: one group a row, strategy "channel"), symmetric or with zero
-    points, and the modules it keeps as they are. Its tensors are `X.weight_packed`, `X.weight_scale`,
-    `X.weight_shape` and, asymmetric, `X.weight_zero_point`."""
+    """A W4A16 checkpoint (ops/int4.py): 4-bit integer weights in groups of `group` input columns (None: one
+    group a row), symmetric or with zero points, and the modules it keeps as they are. `fmt`:
+    - "pack-quantized", compressed-tensors as llm-compressor writes it: tensors `X.weight_packed`,
+      `X.weight_scale`, `X.weight_shape` and, asymmetric, `X.weight_zero_point`;
+    - "gptq" (AutoGPTQ's and GPTQModel's `checkpoint_format` "gptq", AutoRound's GPTQ export): `X.qweight`
+      [K/8, N] (eight values along K to a word, lowest bits first, stored 0..15), `X.qzeros` [K/G, N/8]
+      (packed along N, each stored one less than the zero point), `X.scales` [K/G, N], `X.g_idx` [K];
+      "gptq_v2" (GPTQModel's own) stores the zero points as they are. A module without `qweight` is not
+      converted."""
 
     group: int | None
     symmetric: bool
     not_converted: tuple[str, ...] = ()
+    fmt: str = "pack-quantized"
 
     def converted(self, module: str) -> bool:
         return not any(_matches(module, pattern, "compressed-tensors") for pattern in self.not_converted)
@@ -105,12 +111,45 @@ def read_quantization(qc: Any) -> Fp8Checkpoint | Int4Checkpoint | None:
         return _fine_grained(qc)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "gptq":
+        return _gptq(qc)
     raise ConfigError(
         f"quantization_config quant_method {method!r} is not supported: nextserve reads block-wise FP8 "
         "checkpoints (quant_method 'fp8' with weight_block_size [128, 128], or compressed-tensors "
-        "FP8_BLOCK) and W4A16 ones (compressed-tensors pack-quantized); serve the unquantized checkpoint, "
-        "or one of those"
+        "FP8_BLOCK) and W4A16 ones (compressed-tensors pack-quantized, or GPTQ); serve the unquantized "
+        "checkpoint, or one of those"
     )
+
+
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+
+
+def _gptq(qc: dict) -> Int4Checkpoint:
+    """AutoGPTQ / GPTQModel / AutoRound GPTQ: 4 bits, one group size, no activation order."""
+    bits = qc.get("bits")
+    if bits != 4:
+        raise ConfigError(f"GPTQ quantization_config bits {bits!r}: only 4-bit weights are read (W4A16)")
+    group = qc.get("group_size", 128)
+    if (
+        not isinstance(group, int)
+        or isinstance(group, bool)
+        or not (group == -1 or (group > 0 and group % 8 == 0))
+    ):
+        raise ConfigError(f"GPTQ quantization_config group_size {group!r} is not -1 or a multiple of 8")
+    if qc.get("desc_act", False):
+        raise ConfigError(
+            "GPTQ quantization_config desc_act true: activation-ordered weights (a permuting g_idx) are not "
+            "read; use a checkpoint quantized with desc_act false (or its compressed-tensors W4A16 build)"
+        )
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in GPTQ_FORMATS:
+        raise ConfigError(f"GPTQ checkpoint_format {fmt!r} is not supported ({', '.join(GPTQ_FORMATS)})")
+    sym = qc.get("sym", True)
+    if not isinstance(sym, bool):
+        raise ConfigError(f"GPTQ quantization_config sym {sym!r} is not true or false")
+    if qc.get("dynamic"):
+        raise ConfigError("GPTQ quantization_config dynamic (per-module overrides) is not supported")
+    return Int4Checkpoint(None if group == -1 else group, sym, (), fmt)
 
 
 def _fine_grained(qc: dict) -> Fp8Checkpoint:

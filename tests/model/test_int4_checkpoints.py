@@ -216,7 +216,7 @@ def _swap(part: str, make) -> object:
     return lambda t: t | {f"{P}.{part}": make(t[f"{P}.{part}"])}
 
 
-GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 BAD = [
     ("packed shape", _swap("weight_packed", lambda v: v[:, :-1]), None, "weight_packed"),
     ("scale shape", _swap("weight_scale", lambda v: v[:, :-1]), None, "weight_scale"),
@@ -231,7 +231,7 @@ BAD = [
     ("another format", None, lambda qc: _format(qc, format="marlin-24"), "marlin-24"),
     ("quantized activations", None, lambda qc: _format(qc, input_activations={"num_bits": 8, "type": "int"}),
      "W4A16"),
-    ("gptq", None, lambda qc: GPTQ, "gptq"),
+    ("awq", None, lambda qc: AWQ, "awq"),
 ]  # fmt: skip
 
 
