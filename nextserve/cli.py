@@ -91,7 +91,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "long) on a shadow copy of their state; committed when the whole window held and its next token is the "
     "guessed one, else dropped (outputs unchanged; counts in stats and /metrics)",
     "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
-    "over Gloo, for GPUs without peer access), or auto (nccl on CUDA; the CPU backend only takes host)",
+    "over Gloo, for GPUs without peer access), shm (every message between stages through rings in "
+    "/dev/shm, no socket: stages on one machine, x86-64), or auto (nccl on CUDA, host on the CPU)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "
     "the previous one's end (sm_90+ GPUs; same outputs either way; --no-pdl turns it off)",
     "async_scheduling": "launch each step of greedy decodes (no logprobs, no grammar, not speculating, one "

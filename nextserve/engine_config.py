@@ -138,8 +138,12 @@ class EngineConfig:
                 "prefill_batch_chunks > 1 runs several prompt chunks in one forward of one process; with "
                 "pipeline stages a step's chunks overlap across the stages (--pipeline-prefill-chunks)"
             )
-        if self.stage_transport not in ("auto", "nccl", "host"):
-            raise ConfigError(f"stage_transport must be auto, nccl or host, got {self.stage_transport!r}")
+        if self.stage_transport not in ("auto", "nccl", "host", "shm"):
+            raise ConfigError(
+                f"stage_transport must be auto, nccl, host or shm, got {self.stage_transport!r}"
+            )
+        if self.stage_transport == "shm" and self.pipeline_stages > 1:
+            _check_shm(self.pipeline_stages)
         if self.head_embedding not in ("device", "host"):
             raise ConfigError(f"head_embedding must be device or host, got {self.head_embedding!r}")
         if self.head_embedding == "host" and (self.pipeline_stages < 2 or self.speculative_method != "mtp"):
@@ -170,10 +174,10 @@ class EngineConfig:
         indices = [int(p) for p in parts]
         # NOTE: NCCL runs one rank per GPU; through host memory several stages may share a GPU (one GPU
         # then runs the stage processes, as tests/gpu/test_pipeline_cuda.py does on a single H200).
-        if len(set(indices)) != len(indices) and self.stage_transport != "host":
+        if len(set(indices)) != len(indices) and self.stage_transport not in ("host", "shm"):
             raise ConfigError(
-                f"pipeline_devices names a GPU twice, which needs --stage-transport host (NCCL runs one "
-                f"stage per GPU), got {devices!r}"
+                f"pipeline_devices names a GPU twice, which needs --stage-transport host or shm (NCCL runs "
+                f"one stage per GPU), got {devices!r}"
             )
         if self.pipeline_stages < 2 or len(indices) != self.pipeline_stages:
             raise ConfigError(
@@ -234,3 +238,27 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def _check_shm(stages: int) -> None:
+    """What `--stage-transport shm` needs of this machine (runtime/shm_ring.py's NOTE): x86-64 memory
+    ordering, and room in /dev/shm for every ring of `stages` stages."""
+    import os
+    import platform
+
+    from .runtime.shm_channel import SHM_DIR, ShmChannel
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ConfigError(
+            f"stage_transport shm relies on x86-64 memory ordering; this machine is {platform.machine()}: "
+            "use --stage-transport host"
+        )
+    if not os.path.isdir(SHM_DIR):
+        raise ConfigError(f"stage_transport shm needs {SHM_DIR}: use --stage-transport host")
+    st = os.statvfs(SHM_DIR)
+    need, free = ShmChannel.bytes_needed(stages), st.f_bavail * st.f_frsize
+    if free < need:
+        raise ConfigError(
+            f"stage_transport shm needs {need >> 20} MiB in {SHM_DIR} for {stages} stages, {free >> 20} MiB "
+            "are free (a container's --shm-size): use --stage-transport host"
+        )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DTYPES, ConfigError, ModelConfig
+from .shm_channel import ShmChannel
 from .stage_channel import TIMEOUT, StageChannel
 from .stage_codec import wire_type
 
@@ -41,7 +42,7 @@ class StageSetup:
     port: int
     threads: int  # the driver's torch threads: a CPU GEMM's reduction order may follow the thread count
     device: str  # this stage's: "cpu" or "cuda:N"
-    transport: str  # "nccl" or "host" (stage_transport.py)
+    transport: str  # "nccl", "host" or "shm" (stage_transport.py)
     pdl: bool
     max_context: int  # the engine's: the positions a stage's rotary table covers
     cuda_graph: bool  # decode steps and verify windows replay CUDA graphs (on a CUDA device)
@@ -112,6 +113,12 @@ def rendezvous_channel(rank: int, world: int) -> StageChannel:
     return StageChannel(rank, world, store=dist.PrefixStore("nextserve", store))
 
 
+def open_channel(transport: str, rank: int, world: int, port: int) -> StageChannel:
+    """Stage `rank`'s channel over stage 0's store on the local `port`: through shared memory for the
+    `shm` transport (shm_channel.py), else over Gloo."""
+    return (ShmChannel if transport == "shm" else StageChannel)(rank, world, port)
+
+
 def start_stages(setups: list[StageSetup], port: int) -> tuple[StageChannel, list[subprocess.Popen]]:
     """Stage 0's channel and the stage processes it started (none under torchrun: the ranks are there
     already and get their setups over the channel)."""
@@ -119,6 +126,8 @@ def start_stages(setups: list[StageSetup], port: int) -> tuple[StageChannel, lis
     run = torchrun_rank()
     if run is not None:
         rank, ranks, _ = run
+        if setups and setups[0].transport == "shm":
+            raise ConfigError("--stage-transport shm runs the stages on one machine: not under torchrun")
         if rank != 0 or ranks != world:
             raise ConfigError(
                 f"under torchrun, rank 0 serves and each rank runs one stage: --pipeline-stages {world} "
@@ -138,7 +147,7 @@ def start_stages(setups: list[StageSetup], port: int) -> tuple[StageChannel, lis
         proc.stdin.close()
         procs.append(proc)
     try:
-        return StageChannel(0, world, port), procs
+        return open_channel(setups[0].transport, 0, world, port), procs
     except BaseException:  # no stage is left waiting for a driver that is not coming
         for proc in procs:
             proc.kill()

@@ -15,7 +15,7 @@ from ..cache.pinned_arena import PinnedArena
 from .mtp_runner import load_head_embedding, load_mtp
 from .pipeline import build_stage
 from .stage_channel import StageChannel
-from .stage_launch import RankSetup, StageSetup, rendezvous_channel, torchrun_rank
+from .stage_launch import RankSetup, StageSetup, open_channel, rendezvous_channel, torchrun_rank
 from .stage_transport import make_transport
 from .stage_worker import StageWorker
 
@@ -40,7 +40,7 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
         torch.cuda.set_device(device)  # Triton launches, current streams and NCCL follow it
     torchrun = channel is not None
     if channel is None:
-        channel = StageChannel(setup.rank, setup.world, setup.port)
+        channel = open_channel(setup.transport, setup.rank, setup.world, setup.port)
     model, pool, slots = build_stage(
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
         setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,

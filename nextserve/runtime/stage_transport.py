@@ -133,4 +133,6 @@ class NcclTransport:
 
 
 def make_transport(kind: str, channel: StageChannel, device: torch.device) -> HostTransport | NcclTransport:
+    """`host` and `shm` both pass activations through host memory, over the channel (Gloo, or the shared
+    memory rings of shm_channel.py)."""
     return NcclTransport(channel, device) if kind == "nccl" else HostTransport(channel, device)

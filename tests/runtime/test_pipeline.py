@@ -47,7 +47,8 @@ def test_stage_layers() -> None:
 
 
 @pytest.mark.parametrize(
-    "stages,dtype,transport", [(2, "float32", "auto"), (3, "float32", "auto"), (2, "bfloat16", "host")]
+    "stages,dtype,transport",
+    [(2, "float32", "auto"), (3, "float32", "auto"), (2, "bfloat16", "host"), (3, "bfloat16", "shm")],
 )
 def test_stages_give_the_single_device_outputs(small_model_dir, stages: int, dtype: str, transport) -> None:
     """4 requests over 3 slots (one waits), prompts of 2 to 5 chunks; decode steps batch them. (On the
@@ -445,15 +446,19 @@ def test_preemption_through_the_stages_gives_the_single_device_outputs(small_mod
         split.close()
 
 
-@pytest.mark.parametrize("stages,victim", [(2, 0), (3, 0), (3, 1)])
-def test_a_dead_stage_fails_its_requests_and_never_hangs(small_model_dir, stages: int, victim: int) -> None:
+@pytest.mark.parametrize(
+    "stages,victim,transport", [(2, 0, "auto"), (3, 0, "auto"), (3, 1, "auto"), (3, 1, "shm")]
+)
+def test_a_dead_stage_fails_its_requests_and_never_hangs(
+    small_model_dir, stages: int, victim: int, transport: str
+) -> None:
     """`kill -9` of a stage process mid-request: the request ends with an error naming the stage within
     seconds, later requests are refused at once (no step loops on a broken pipeline), and close() leaves
     no stage process behind."""
     import threading
     import time
 
-    llm = LLM(str(small_model_dir), pipeline_stages=stages, **FLAGS)
+    llm = LLM(str(small_model_dir), pipeline_stages=stages, stage_transport=transport, **FLAGS)
     procs = list(llm.engine.runner.procs)
     try:
         timer = threading.Timer(0.5, procs[victim].kill)
