@@ -216,16 +216,17 @@ def _weight_tile(
     kk = k0 + rk
     if W_INT4:  # (BK, BN: the tile's BLOCK_K, BLOCK_N)
         w_mask = mask_n & ((k0 + tl.arange(0, BK // 8) * 8) < k_hi)[:, None]
-        return int4_tile(w_ptrs, w_mask, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BK, BN, HAS_ZERO)
-    w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
-    if POST:
-        w = fp8_codes(w, ty, FAST)
-    elif W_FP8:
-        kb = k0 // 128
-        s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
-        s1 = tl.load(s_rows + tl.minimum(kb + 1, K_BLOCKS - 1), mask=col_ok, other=0.0)  # (past K: unused)
-        s = tl.where((kk // 128 == kb)[:, None], s0[None, :], s1[None, :])
-        w = (w.to(tl.float32) * s).to(ty)
+        w = int4_tile(w_ptrs, w_mask, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BK, BN, HAS_ZERO)
+    else:
+        w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
+        if POST:
+            w = fp8_codes(w, ty, FAST)
+        elif W_FP8:
+            kb = k0 // 128
+            s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
+            s1 = tl.load(s_rows + tl.minimum(kb + 1, K_BLOCKS - 1), mask=col_ok, other=0.0)  # (past K)
+            s = tl.where((kk // 128 == kb)[:, None], s0[None, :], s1[None, :])
+            w = (w.to(tl.float32) * s).to(ty)
     return w
 
 
