@@ -51,7 +51,7 @@ from .common import (
     unit_stride,
 )
 from .gemv_config import FP8_BLOCK_K, gemv_config, k_splits, preload_tiles
-from .int4_tiles import int4_launch_args, int4_tile
+from .int4_tiles import int4_dot, int4_launch_args
 
 BLOCK_M = 16
 REDUCE_BLOCK = 256
@@ -79,8 +79,8 @@ def _small_m_gemm(
     K_BLOCKS] (row stride stride_sn), each tile dequantized in registers to x's dtype (`_weight_tile`); with
     POST_SCALE (BLOCK_K = 128, tiles on scale blocks) the tile's codes enter the dot as they are (exact in
     x's dtype) and its float32 partial is scaled per column before it is added (`_dot_tile`). W_INT4: W is
-    int4 words [N, cdiv(K, 8)] with group scales s [N, K / GROUP] (zero points z, HAS_ZERO), each tile
-    dequantized in registers to ops/int4.py's values (int4_tiles.int4_tile)."""
+    int4 words [N, cdiv(K, 8)] with group scales s [N, K / GROUP] (zero points z, HAS_ZERO), read a tile
+    of BLOCK_K // 8 word rows at a time (int4_tiles.int4_dot; no PRELOAD)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -102,10 +102,10 @@ def _small_m_gemm(
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = rn < N
     mask_n = col_ok[None, :]
-    # NOTE: an int4 tile is BLOCK_K // 8 rows of words (k_lo is a multiple of BLOCK_K, so of 8)
-    W_STEP: tl.constexpr = BLOCK_K // 8 if W_INT4 else BLOCK_K
-    if W_INT4:
-        w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo // 8 + tl.arange(0, W_STEP))[:, None]
+    if W_INT4:  # NOTE: BLOCK_K // 8 rows of words (k_lo is a multiple of BLOCK_K, so of 8)
+        w_ptrs = (
+            w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo // 8 + tl.arange(0, BLOCK_K // 8))[:, None]
+        )
     else:
         w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
     if W_FP8:
@@ -114,7 +114,6 @@ def _small_m_gemm(
         s_rows = s_ptr + rn.to(tl.int64) * stride_sn  # [BLOCK_N] each column's row of group scales
     else:
         s_rows = w_ptr  # unused
-    z_rows = z_ptr + rn.to(tl.int64) * stride_sn if HAS_ZERO else s_rows
     ty = x_ptr.dtype.element_ty
     # NOTE: the split's first PRELOAD (<= 4) weight tiles are loaded before the PDL wait: no kernel writes
     # weights, so these loads may overlap the previous kernel (common.py's NOTE), and after the wait only
@@ -126,25 +125,19 @@ def _small_m_gemm(
     # engine (K = 256) part from the dequantized checkpoint's within 8 tokens (tests/gpu/test_fp8_engine.py,
     # BENCHMARKS.md, Decode). Either way the rule is a function of (N, K, dtype): rows stay invariant.
     if PRELOAD > 0:
-        w0 = _weight_tile(
-            w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
-            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
-        )  # fmt: skip
+        w0 = _weight_tile(w_ptrs, mask_n, k_lo, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty)
     if PRELOAD > 1:
         w1 = _weight_tile(
-            w_ptrs + W_STEP, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
-            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
-        )  # fmt: skip
+            w_ptrs + BLOCK_K, mask_n, k_lo + BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     if PRELOAD > 2:
         w2 = _weight_tile(
-            w_ptrs + 2 * W_STEP, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
-            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
-        )  # fmt: skip
+            w_ptrs + 2 * BLOCK_K, mask_n, k_lo + 2 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     if PRELOAD > 3:
         w3 = _weight_tile(
-            w_ptrs + 3 * W_STEP, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty,
-            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
-        )  # fmt: skip
+            w_ptrs + 3 * BLOCK_K, mask_n, k_lo + 3 * BLOCK_K, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty
+        )
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     pdl_start(PDL)
     if MIX_N > 0:  # issued before the K loop, used after it
@@ -161,16 +154,34 @@ def _small_m_gemm(
     if PRELOAD > 3:
         acc = _dot_tile(acc, x_ptrs + 3 * BLOCK_K, w3, mask_m, k_lo + 3 * BLOCK_K + rk, k_hi, IEEE)
     x_ptrs += PRELOAD * BLOCK_K
-    w_ptrs += PRELOAD * W_STEP
-    for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
-        w = _weight_tile(
-            w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST, FAST_FP8,
-            W_INT4=W_INT4, z_rows=z_rows, GROUP=GROUP, HAS_ZERO=HAS_ZERO, BK=BLOCK_K, BN=BLOCK_N,
-        )  # fmt: skip
-        c = _tile_scale(s_rows, k0, col_ok, POST)
-        acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE, c, POST)
-        x_ptrs += BLOCK_K
-        w_ptrs += W_STEP
+    w_ptrs += PRELOAD * BLOCK_K
+    if W_INT4:
+        x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+        z_rows = z_ptr + rn.to(tl.int64) * stride_sn
+        word_k = k_lo + tl.arange(0, BLOCK_K // 8) * 8  # each word row's first K column, in this tile
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            words = tl.load(w_ptrs, mask=mask_n & (word_k[:, None] < k_hi), other=0)
+            if IEEE:
+                acc = int4_dot(
+                    acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty, GROUP, BLOCK_K,
+                    HAS_ZERO, "ieee",
+                )  # fmt: skip
+            else:
+                acc = int4_dot(
+                    acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty, GROUP, BLOCK_K,
+                    HAS_ZERO, "tf32",
+                )  # fmt: skip
+            w_ptrs += BLOCK_K // 8
+            word_k += BLOCK_K
+    else:
+        for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
+            w = _weight_tile(
+                w_ptrs, mask_n, k0, rk, k_hi, W_FP8, s_rows, col_ok, K_BLOCKS, ty, POST, FAST_FP8
+            )
+            c = _tile_scale(s_rows, k0, col_ok, POST)
+            acc = _dot_tile(acc, x_ptrs, w, mask_m, k0 + rk, k_hi, IEEE, c, POST)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     if SPLIT:
         MN = M.to(tl.int64) * N
@@ -204,29 +215,22 @@ def _small_m_gemm(
 def _weight_tile(
     w_ptrs, mask_n, k0, rk, k_hi, W_FP8: tl.constexpr, s_rows, col_ok, K_BLOCKS, ty: tl.constexpr,
     POST: tl.constexpr = False, FAST: tl.constexpr = False,
-    W_INT4: tl.constexpr = False, z_rows=None, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
-    BK: tl.constexpr = 16, BN: tl.constexpr = 16,
 ):  # fmt: skip
-    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. W_INT4: from
-    the words at w_ptrs [BLOCK_K // 8, BLOCK_N] and the group scales (int4_tiles.int4_tile). FP8: each
+    """The [BLOCK_K, BLOCK_N] weight tile at w_ptrs (its K columns k0 + rk), zeros past k_hi. FP8: each
     value times its 128 x 128 block's scale in float32, rounded to ty (ops/fp8.py dequantize's roundings),
     from the two scale columns a tile of up to 256 K columns starting on a multiple of BLOCK_K can touch;
     with POST the codes only, in ty (exact: every E4M3 value is a 16-bit float; FAST: by bit moves,
     common.fp8_codes), scaled after the dot."""
     kk = k0 + rk
-    if W_INT4:  # (BK, BN: the tile's BLOCK_K, BLOCK_N)
-        w_mask = mask_n & ((k0 + tl.arange(0, BK // 8) * 8) < k_hi)[:, None]
-        w = int4_tile(w_ptrs, w_mask, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BK, BN, HAS_ZERO)
-    else:
-        w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
-        if POST:
-            w = fp8_codes(w, ty, FAST)
-        elif W_FP8:
-            kb = k0 // 128
-            s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
-            s1 = tl.load(s_rows + tl.minimum(kb + 1, K_BLOCKS - 1), mask=col_ok, other=0.0)  # (past K)
-            s = tl.where((kk // 128 == kb)[:, None], s0[None, :], s1[None, :])
-            w = (w.to(tl.float32) * s).to(ty)
+    w = tl.load(w_ptrs, mask=mask_n & (kk[:, None] < k_hi), other=0.0)
+    if POST:
+        w = fp8_codes(w, ty, FAST)
+    elif W_FP8:
+        kb = k0 // 128
+        s0 = tl.load(s_rows + kb, mask=col_ok, other=0.0)  # [BLOCK_N]
+        s1 = tl.load(s_rows + tl.minimum(kb + 1, K_BLOCKS - 1), mask=col_ok, other=0.0)  # (past K: unused)
+        s = tl.where((kk // 128 == kb)[:, None], s0[None, :], s1[None, :])
+        w = (w.to(tl.float32) * s).to(ty)
     return w
 
 
@@ -341,8 +345,8 @@ def small_m_linear(
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     assert not fp8 or bk <= 256, "an FP8 tile spans at most two 128-column scale blocks"
     assert not fp8.get("POST_SCALE") or bk == FP8_BLOCK_K, "a post-scaled FP8 tile is one scale block"
-    assert not fp8.get("W_INT4") or (bk % 8 == 0 and bk >= 16), "an int4 tile is whole words, 16 or more"
-    pre = preload_tiles(tiles) if preload is not False else 0
+    assert not fp8.get("W_INT4") or bk % 128 == 0, "an int4 tile is a multiple of 128 columns (int4_dot)"
+    pre = preload_tiles(tiles) if preload is not False and not fp8.get("W_INT4") else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y

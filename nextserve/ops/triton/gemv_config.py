@@ -92,7 +92,8 @@ def gemv_config(
         block_k = max(16, TILE_BYTES // (block_n * dtype.itemsize))  # 16-bit: 128 or 256; fp32: 64 or 128
         splits = k_splits(N, K, block_n, block_k, target=target, min_split=min_split)
     stages = INT4_NUM_STAGES if int4 else FP8_NUM_STAGES if fp8 else NUM_STAGES
-    return Config(block_n, block_k, *splits, num_warps=4, num_stages=stages, preload=preload_tiles(splits[1]))
+    preload = 0 if int4 else preload_tiles(splits[1])  # (the int4 GEMV loads no tile before the PDL wait)
+    return Config(block_n, block_k, *splits, num_warps=4, num_stages=stages, preload=preload)
 
 
 def preload_tiles(split_tiles: int) -> int:

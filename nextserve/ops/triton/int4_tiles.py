@@ -60,6 +60,51 @@ def int4_tile(
     return (q.to(tl.float32) * s.to(tl.float32)).to(s_rows.dtype.element_ty).to(ty)
 
 
+@triton.jit
+def int4_dot(
+    acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc + x[rows, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols] from the tile's words [BLOCK_K // 8,
+    BLOCK_N] (k0 a multiple of BLOCK_K, BLOCK_K >= 128: a dot's K is at least 16), x's rows at x_rows
+    [BLOCK_M, 1] (mask_m [BLOCK_M, 1]), K columns past k_hi zeros.
+
+    # NOTE: eight dots of BLOCK_K // 8 columns each, in the fixed order i = 0..7: value i of every word
+    # (K columns k0 + 8j + i) against x's matching columns, so the words are never reshuffled into K order
+    # in registers (a reshape of [BLOCK_K // 8, 8, BLOCK_N] is a layout conversion through shared memory).
+    # A tile inside one group (GROUP a multiple of BLOCK_K) feeds the codes themselves (q - zero, integers
+    # of at most 5 bits: exact in any 16-bit float) and scales the tile's float32 sum once per column, as
+    # block-FP8 GEMMs do; otherwise each value is dequantized first (ops/int4.py's roundings). Either way a
+    # function of (GROUP, BLOCK_K) alone: rows stay invariant."""
+    rkw = tl.arange(0, BLOCK_K // 8) * 8
+    ONE: tl.constexpr = GROUP % BLOCK_K == 0
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    if ONE:
+        g = k0 // GROUP
+        s = tl.load(s_rows + g, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_rows + g, mask=col_ok, other=0).to(tl.int32)[None, :]
+    for i in tl.static_range(8):
+        kk = k0 + rkw + i  # [BLOCK_K // 8] this slab's K columns
+        x = tl.load(x_rows + kk[None, :], mask=mask_m & (kk[None, :] < k_hi), other=0.0)
+        q = ((words >> (4 * i)) & 0xF) - 8
+        if ONE:
+            if HAS_ZERO:
+                q -= z
+            part = tl.dot(x, q.to(ty), part, input_precision=PRECISION)
+        else:
+            m = (kk < k_hi)[:, None] & col_ok[None, :]
+            gi = (kk // GROUP)[:, None]
+            sg = tl.load(s_rows[None, :] + gi, mask=m, other=0.0)
+            if HAS_ZERO:
+                q -= tl.load(z_rows[None, :] + gi, mask=m, other=0).to(tl.int32)
+            w = (q.to(tl.float32) * sg.to(tl.float32)).to(s_rows.dtype.element_ty).to(ty)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if ONE:
+        acc += part * s[None, :]
+    return acc
+
+
 def int4_launch_args(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """(words, scales, zero points or the scales as a placeholder, constexpr keywords) of an int4 weight
     for a kernel: unit-stride words and scales, GROUP, HAS_ZERO."""
@@ -70,5 +115,6 @@ def int4_launch_args(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def check_block_k(block_k: int) -> None:
-    """A K tile of int4 weights is whole words, and a dot's K is at least 16."""
-    assert block_k % PER_WORD == 0 and block_k >= 16, block_k
+    """A K tile of int4 weights (`int4_dot`) is a multiple of 128 columns: each of its eight dots then has a
+    K of at least 16."""
+    assert block_k % 128 == 0, block_k

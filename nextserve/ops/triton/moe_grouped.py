@@ -74,7 +74,7 @@ from ..fp8 import Fp8Weight
 from ..int4 import Int4Weight
 from ..moe import default_block_m
 from .common import pdl_args, pdl_start
-from .int4_tiles import check_block_k, int4_launch_args, int4_tile
+from .int4_tiles import check_block_k, int4_dot, int4_launch_args
 from .moe_decode import expert_shapes
 from .moe_plan import BLOCK_M, plan
 
@@ -122,6 +122,74 @@ def _block_and_tile(N_FAST: tl.constexpr):
 
 
 @triton.jit
+def _int4_gate_up(
+    acc_g, acc_u, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, H, I, stride_n,
+    s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e, stride_s_r, ty: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_gate_up`'s K loop over int4 words (base: the expert's words; the shared expert's scales and zero
+    points at ss_ptr, sz_ptr): a tile of BLOCK_K // 8 word rows of the gate and up rows at a time."""
+    rkw = tl.arange(0, BLOCK_K // 8)
+    g_ptrs = base + rn[None, :] * stride_n + rkw[:, None]  # [BK // 8, BN]
+    u_ptrs = g_ptrs + I * stride_n
+    s_base = tl.where(e == E_SHARED, ss_ptr, s_ptr + e.to(tl.int64) * stride_s_e)
+    z_base = tl.where(e == E_SHARED, sz_ptr, z_ptr + e.to(tl.int64) * stride_s_e)
+    gs_rows, gz_rows = s_base + rn * stride_s_r, z_base + rn * stride_s_r  # [BN] each column's groups
+    us_rows, uz_rows = gs_rows + I * stride_s_r, gz_rows + I * stride_s_r
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            wm = mask_n[None, :]
+        else:
+            wm = mask_n[None, :] & ((k0 + rkw * 8) < H)[:, None]
+        wg = tl.load(g_ptrs, mask=wm, other=0)
+        wu = tl.load(u_ptrs, mask=wm, other=0)
+        acc_g = int4_dot(
+            acc_g, a_rows, mask_m[:, None], wg, gs_rows, gz_rows, mask_n, k0, H, ty, GROUP, BLOCK_K, HAS_ZERO,
+            PRECISION,
+        )  # fmt: skip
+        acc_u = int4_dot(
+            acc_u, a_rows, mask_m[:, None], wu, us_rows, uz_rows, mask_n, k0, H, ty, GROUP, BLOCK_K, HAS_ZERO,
+            PRECISION,
+        )  # fmt: skip
+        g_ptrs += BLOCK_K // 8
+        u_ptrs += BLOCK_K // 8
+    return acc_g, acc_u
+
+
+@triton.jit
+def _int4_down(
+    acc, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, I, stride_n,
+    s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e, stride_s_r, ty: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_down`'s K loop over int4 words, as `_int4_gate_up`."""
+    rkw = tl.arange(0, BLOCK_K // 8)
+    d_ptrs = base + rn[None, :] * stride_n + rkw[:, None]  # [BK // 8, BN]
+    s_rows = tl.where(e == E_SHARED, ss_ptr, s_ptr + e.to(tl.int64) * stride_s_e) + rn * stride_s_r
+    z_rows = tl.where(e == E_SHARED, sz_ptr, z_ptr + e.to(tl.int64) * stride_s_e) + rn * stride_s_r
+    for k0 in range(0, I, BLOCK_K):
+        wd = tl.load(d_ptrs, mask=mask_n[None, :] & ((k0 + rkw * 8) < I)[:, None], other=0)
+        acc = int4_dot(
+            acc,
+            a_rows,
+            mask_m[:, None],
+            wd,
+            s_rows,
+            z_rows,
+            mask_n,
+            k0,
+            I,
+            ty,
+            GROUP,
+            BLOCK_K,
+            HAS_ZERO,
+            PRECISION,
+        )
+        d_ptrs += BLOCK_K // 8
+    return acc
+
+
+@triton.jit
 def _gate_up(
     x_ptr, order_ptr, blk_e_ptr, blk_lo_ptr, blk_hi_ptr, gu_ptr, sgu_ptr, act_ptr, H, I, E_SHARED,
     stride_gu_e, stride_gu_n,
@@ -138,7 +206,7 @@ def _gate_up(
     (the shared expert; -1: none). W_FP8: the weights are float8_e4m3fn, with float32 scales [E, 2I/128,
     cdiv(H, 128)] at gus_ptr (the shared expert's at sgus_ptr), each tile dequantized in registers. W_INT4:
     int4 words [E, 2I, H / 8] with group scales [E, 2I, H / GROUP] at gus_ptr (zero points at guz_ptr; the
-    shared expert's at sgus_ptr, sguz_ptr), each tile dequantized in registers (int4_tiles.int4_tile)."""
+    shared expert's at sgus_ptr, sguz_ptr), a tile of BLOCK_K // 8 word rows at a time (int4_dot)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -155,58 +223,44 @@ def _gate_up(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * H + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sgu_ptr, gu_ptr + e.to(tl.int64) * stride_gu_e)
-    W_STEP: tl.constexpr = BLOCK_K // 8 if W_INT4 else BLOCK_K  # (an int4 tile: BLOCK_K // 8 word rows)
-    g_ptrs = base + rn[None, :] * stride_gu_n + tl.arange(0, W_STEP)[:, None]  # [BK, BN] ([BK // 8, BN])
+    g_ptrs = base + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
     u_ptrs = g_ptrs + I * stride_gu_n
     ty = x_ptr.dtype.element_ty
     if W_FP8:
         s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
         gs_rows = s_base + (rn // 128) * stride_gus_r  # [BN] (I is a multiple of 128: up rows follow)
         us_rows = s_base + ((rn + I) // 128) * stride_gus_r
-    if W_INT4:
-        s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
-        gs_rows = s_base + rn * stride_gus_r  # [BN] each column's row of group scales
-        us_rows = gs_rows + I * stride_gus_r
-        z_base = tl.where(e == E_SHARED, sguz_ptr, guz_ptr + e.to(tl.int64) * stride_gus_e)
-        gz_rows = z_base + rn * stride_gus_r
-        uz_rows = gz_rows + I * stride_gus_r
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if W_INT4:
+    if W_INT4:
+        acc_g, acc_u = _int4_gate_up(
+            acc_g, acc_u, x_ptr + tok[:, None] * H, mask_m, base, e, E_SHARED, rn, mask_n, H, I, stride_gu_n,
+            gus_ptr, sgus_ptr, guz_ptr, sguz_ptr, stride_gus_e, stride_gus_r, ty, GROUP, HAS_ZERO,
+            BLOCK_K, EVEN_K, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        for k0 in range(0, H, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                w_mask = None if EVEN_N else mask_n[None, :]
+                if EVEN_N:
+                    wg = tl.load(g_ptrs)
+                    wu = tl.load(u_ptrs)
+                else:
+                    wg = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
+                    wu = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
             else:
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & ((k0 + rk) < H)[None, :], other=0.0)
-                w_mask = ((k0 + tl.arange(0, W_STEP) * 8) < H)[:, None] & mask_n[None, :]
-            wg = int4_tile(
-                g_ptrs, w_mask, gs_rows, gz_rows, k0, rk, H, mask_n, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
-            )
-            wu = int4_tile(
-                u_ptrs, w_mask, us_rows, uz_rows, k0, rk, H, mask_n, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
-            )
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            if EVEN_N:
-                wg = tl.load(g_ptrs)
-                wu = tl.load(u_ptrs)
-            else:
-                wg = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
-                wu = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = (k0 + rk) < H
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if W_FP8:
-            wg = _fp8_tile(wg, gs_rows, k0, ty)
-            wu = _fp8_tile(wu, us_rows, k0, ty)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += W_STEP
-        u_ptrs += W_STEP
+                mask_k = (k0 + rk) < H
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if W_FP8:
+                wg = _fp8_tile(wg, gs_rows, k0, ty)
+                wu = _fp8_tile(wu, us_rows, k0, ty)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     dt = act_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
@@ -246,44 +300,35 @@ def _down(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sdown_ptr, down_ptr + e.to(tl.int64) * stride_d_e)
-    W_STEP: tl.constexpr = BLOCK_K // 8 if W_INT4 else BLOCK_K
-    d_ptrs = base + rn[None, :] * stride_d_h + tl.arange(0, W_STEP)[:, None]  # [BK, BN] ([BK // 8, BN])
+    d_ptrs = base + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
     ty = act_ptr.dtype.element_ty
     if W_FP8:
         s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
         ds_rows = s_base + (rn // 128) * stride_ds_r  # [BN]
-    if W_INT4:
-        s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
-        ds_rows = s_base + rn * stride_ds_r  # [BN]
-        z_base = tl.where(e == E_SHARED, sdz_ptr, dz_ptr + e.to(tl.int64) * stride_ds_e)
-        dz_rows = z_base + rn * stride_ds_r
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        if W_INT4:
+    if W_INT4:
+        a_rows = act_ptr + rows[:, None].to(tl.int64) * I
+        acc = _int4_down(
+            acc, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, I, stride_d_h, ds_ptr, sds_ptr, dz_ptr,
+            sdz_ptr, stride_ds_e, stride_ds_r, ty, GROUP, HAS_ZERO, BLOCK_K, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        for k0 in range(0, I, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                w_mask = None if EVEN_N else mask_n[None, :]
+                if EVEN_N:
+                    wd = tl.load(d_ptrs)
+                else:
+                    wd = tl.load(d_ptrs, mask=mask_n[None, :], other=0.0)
             else:
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & ((k0 + rk) < I)[None, :], other=0.0)
-                w_mask = ((k0 + tl.arange(0, W_STEP) * 8) < I)[:, None] & mask_n[None, :]
-            wd = int4_tile(
-                d_ptrs, w_mask, ds_rows, dz_rows, k0, rk, I, mask_n, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
-            )
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            if EVEN_N:
-                wd = tl.load(d_ptrs)
-            else:
-                wd = tl.load(d_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = (k0 + rk) < I
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wd = tl.load(d_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if W_FP8:
-            wd = _fp8_tile(wd, ds_rows, k0, ty)
-        acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        d_ptrs += W_STEP
+                mask_k = (k0 + rk) < I
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                wd = tl.load(d_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if W_FP8:
+                wd = _fp8_tile(wd, ds_rows, k0, ty)
+            acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            d_ptrs += BLOCK_K
     dt = yw_ptr.dtype.element_ty
     pair = tl.load(order_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     wt = tl.load(w_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
@@ -408,9 +453,9 @@ def grouped_experts(
     down: torch.Tensor,
     block_m: int | None = None,
     block_n: int | None = None,
-    block_k: int = 64,
+    block_k: int | None = None,
     block_n_down: int | None = None,
-    block_k_down: int = 64,
+    block_k_down: int | None = None,
     warps: int | None = None,
     warps_down: int | None = None,
     stages: int = STAGES,
@@ -431,6 +476,8 @@ def grouped_experts(
     The block sizes are part of the numerics. A repeated id in a row is still summed, in slot order, as
     the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
+    k_tile = 128 if isinstance(gate_up, Int4Weight) else 64  # (an int4 tile: int4_tiles.check_block_k)
+    block_k, block_k_down = block_k or k_tile, block_k_down or k_tile
     wide = bm >= 128
     wide_warps = 8 if wide else 4
     warps, warps_down = warps or wide_warps, warps_down or wide_warps
@@ -452,7 +499,9 @@ def _grouped(
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
-    w_bytes = 0.5 if isinstance(gate_up, Int4Weight) else 1 if isinstance(gate_up, Fp8Weight) else None
+    # NOTE: an int4 stage holds half a byte a weight, and each of its eight dots a slab converted to x's dtype
+    w_bytes = 0.5 + x.element_size() / 4 if isinstance(gate_up, Int4Weight) else None
+    w_bytes = w_bytes or (1 if isinstance(gate_up, Fp8Weight) else None)
     if isinstance(gate_up, Int4Weight):
         check_block_k(block_k), check_block_k(block_k_down)
         gate_up, sgu, gu_fp8 = _int4_args(gate_up, sgu, "gus", "sgus", "guz", "sguz")
