@@ -61,6 +61,15 @@ def int4_tile(
 
 
 @triton.jit
+def _values(words, i: tl.constexpr):
+    """Value i of each int32 word (bits 4i..4i+3, stored plus 8) as float32, exactly: the 4 bits put in the
+    mantissa of 2^23 (the float 2^23 + stored) and 2^23 + 8 taken away, an add where an int-to-float
+    conversion would run at a quarter of its rate."""
+    magic = ((words >> (4 * i)) & 0xF) | 0x4B000000
+    return magic.to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
 def int4_dot(
     acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr, PRECISION: tl.constexpr,
@@ -83,11 +92,11 @@ def int4_dot(
         g = k0 // GROUP
         s = tl.load(s_rows + g, mask=col_ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(z_rows + g, mask=col_ok, other=0).to(tl.int32)[None, :]
+            z = tl.load(z_rows + g, mask=col_ok, other=0).to(tl.float32)[None, :]
     for i in tl.static_range(8):
         kk = k0 + rkw + i  # [BLOCK_K // 8] this slab's K columns
         x = tl.load(x_rows + kk[None, :], mask=mask_m & (kk[None, :] < k_hi), other=0.0)
-        q = ((words >> (4 * i)) & 0xF) - 8
+        q = _values(words, i)  # [BLOCK_K // 8, BLOCK_N] float32, exact
         if ONE:
             if HAS_ZERO:
                 q -= z
@@ -97,8 +106,8 @@ def int4_dot(
             gi = (kk // GROUP)[:, None]
             sg = tl.load(s_rows[None, :] + gi, mask=m, other=0.0)
             if HAS_ZERO:
-                q -= tl.load(z_rows[None, :] + gi, mask=m, other=0).to(tl.int32)
-            w = (q.to(tl.float32) * sg.to(tl.float32)).to(s_rows.dtype.element_ty).to(ty)
+                q -= tl.load(z_rows[None, :] + gi, mask=m, other=0).to(tl.float32)
+            w = (q * sg.to(tl.float32)).to(s_rows.dtype.element_ty).to(ty)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if ONE:
         acc += part * s[None, :]
