@@ -34,8 +34,11 @@ SLOT_BYTES = 256 * 1024  # a tensor ring's slot: one decode hop at the released 
 STEP_SLOT_BYTES = 64 * 1024  # a step-message ring's slot
 
 LIVENESS_S = 0.05  # how often a wait looks at its peer process
-SPINS = 64  # polls before a wait starts sleeping (microseconds apart, growing to MAX_SLEEP_S)
-MAX_SLEEP_S = 0.0005
+# NOTE: a wait polls, yielding the core between polls (sched_yield: at once when nothing else is runnable),
+# for SPIN_S, then sleeps SLEEP_S between polls. A sleep is at least the kernel's 50 us timer slack, which
+# a hop would pay; a stage waits on its neighbour's forward (milliseconds), so the spin covers that.
+SPIN_S = 0.02
+SLEEP_S = 0.0001
 
 
 def process_alive(pid: int) -> bool:
@@ -117,16 +120,17 @@ class ShmChannel(StageChannel):
 
     def _wait(self, ready, peer: int) -> None:
         """Until ready(), moving queued sends on; a RuntimeError once `peer`'s process is gone."""
-        spins, start = 0, time.monotonic()
-        check = start + LIVENESS_S
+        start = time.monotonic()
+        check, spin_until = start + LIVENESS_S, start + SPIN_S
         while True:
             self._progress()
             if ready():
                 return
-            spins += 1
-            if spins > SPINS:
-                time.sleep(min(MAX_SLEEP_S, 2e-6 * (spins - SPINS)))
             now = time.monotonic()
+            if now < spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(SLEEP_S)
             if now >= check:
                 if not process_alive(self.pids[peer]):
                     raise RuntimeError(f"pipeline stage {peer} is gone (process {self.pids[peer]})")

@@ -205,7 +205,7 @@ GATE_SCALE = {"model.layers.0.mlp.gate.weight_scale_inv": torch.ones(1, 1)}
 @pytest.mark.parametrize(
     "name, config, tensors, match",
     [
-        ("method", lambda c: c[QC].update(quant_method="gptq"), None, "quant_method 'gptq'"),
+        ("method", lambda c: c[QC].update(quant_method="awq"), None, "quant_method 'awq'"),
         ("fmt", lambda c: c[QC].update(fmt="e5m2"), None, "fmt 'e5m2'"),
         ("static", lambda c: c[QC].update(activation_scheme="static"), None, "static"),
         ("block", lambda c: c[QC].update(weight_block_size=[64, 64]), None, "weight_block_size"),

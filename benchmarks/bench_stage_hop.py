@@ -1,0 +1,125 @@
+"""What one stage hop costs, by channel and message size: two processes pass a tensor back and forth (stage
+0 sends, stage 1 sends it back) over the Gloo channel (`--stage-transport host`) and the shared-memory rings
+(`shm`), as the pipeline's activations travel; a hop is half a round trip. With --device cuda the tensors
+live on the GPU and cross as HostTransport moves them (a pinned copy down, the channel, a copy up), and the
+device-to-host copy with its stream sync is timed apart, so the hop splits into its parts.
+
+    python benchmarks/bench_stage_hop.py --sizes 20480 163840 1048576 --trips 200
+    python benchmarks/bench_stage_hop.py --device cuda
+
+Prints one JSON object (revision, hardware, command, rows: channel, bytes, us a hop, median of trips).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve.bench.provenance import git_info, hardware  # noqa: E402
+from nextserve.runtime.shm_channel import ShmChannel  # noqa: E402
+from nextserve.runtime.stage_channel import StageChannel, free_port  # noqa: E402
+from nextserve.runtime.stage_transport import HostTransport  # noqa: E402
+
+CHANNELS = {"host": StageChannel, "shm": ShmChannel}
+
+
+def _echo(rank: int, port: int, kind: str, device: str, sizes: list[int], trips: int) -> None:
+    """Stage 1: send every tensor straight back."""
+    channel = CHANNELS[kind](rank, 2, port)
+    transport = HostTransport(channel, torch.device(device))
+    channel.broadcast(None)
+    for n in sizes:
+        for _ in range(trips + 5):
+            t = transport.recv((n // 2,), torch.bfloat16, 0)
+            transport.send(t, 0)
+            channel.flush()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run(kind: str, device: torch.device, sizes: list[int], trips: int) -> list[dict]:
+    port = free_port()
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        str(port),
+        "--device",
+        str(device),
+        "--trips",
+        str(trips),
+    ]
+    child = subprocess.Popen([*argv, "--sizes", *map(str, sizes)], env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    channel = CHANNELS[kind](0, 2, port)
+    transport = HostTransport(channel, device)
+    channel.broadcast(None)
+    rows = []
+    for n in sizes:
+        t = torch.randn(n // 2, device=device).to(torch.bfloat16)
+        times = []
+        for i in range(trips + 5):
+            _sync(device)
+            t0 = time.perf_counter()
+            transport.send(t, 1)
+            channel.flush()
+            back = transport.recv((n // 2,), torch.bfloat16, 1)
+            _sync(device)
+            if i >= 5:  # warm-up trips left out
+                times.append(time.perf_counter() - t0)
+        assert torch.equal(back, t), "the tensor came back changed"
+        row = {
+            "channel": kind,
+            "device": str(device),
+            "bytes": n,
+            "us_a_hop": round(statistics.median(times) / 2 * 1e6, 1),
+        }
+        if device.type == "cuda":  # the part HostTransport adds before the channel: pinned copy and its sync
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            parts = []
+            for _ in range(trips):
+                t0 = time.perf_counter()
+                host.copy_(t, non_blocking=True)
+                torch.cuda.current_stream(device).synchronize()
+                parts.append(time.perf_counter() - t0)
+            row["us_device_to_host_copy_and_sync"] = round(statistics.median(parts) * 1e6, 1)
+        rows.append(row)
+        print(f"# {kind} {n} B: {row['us_a_hop']} us a hop", file=sys.stderr)
+    child.wait(timeout=60)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[20480, 163840, 1048576, 16777216],
+                    help="message bytes (20 KB: one token's activations at the released widths)")  # fmt: skip
+    ap.add_argument("--trips", type=int, default=200, help="round trips timed per size")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (tensors on the GPU, HostTransport's path)")
+    ap.add_argument("--channels", nargs="+", default=["host", "shm"], choices=sorted(CHANNELS))
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if a.child:
+        _echo(1, int(a.child[1]), a.child[0], a.device, a.sizes, a.trips)
+        return
+    device = torch.device(a.device)
+    rows = [r for kind in a.channels for r in _run(kind, device, a.sizes, a.trips)]
+    out = {**git_info(), "hardware": hardware(device), "command": " ".join(sys.argv), "rows": rows}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
