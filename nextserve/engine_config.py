@@ -45,6 +45,7 @@ class EngineConfig:
     speculative_tokens: int = 4  # draft tokens per verify window at most
     pipeline_stages: int = 1  # processes the layers are split across, one device each
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
+    stage_layers: str | None = None  # decoder layers per stage, "8,8,8,8,16" (default: as even as can be)
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
@@ -142,6 +143,7 @@ class EngineConfig:
             raise ConfigError(
                 f"stage_transport must be auto, nccl, host or shm, got {self.stage_transport!r}"
             )
+        self._check_stage_layers()
         if self.stage_transport == "shm" and self.pipeline_stages > 1:
             _check_shm(self.pipeline_stages)
         if self.head_embedding not in ("device", "host"):
@@ -227,6 +229,33 @@ class EngineConfig:
         if self.pipeline_devices is not None:
             return [torch.device("cuda", int(i)) for i in self.pipeline_devices.split(",")]
         return [torch.device("cuda", (dev.index or 0) + i) for i in range(self.pipeline_stages)]
+
+    def _check_stage_layers(self) -> None:
+        """stage_layers: positive counts, one per stage (normalised to "a,b,..." from a list of ints); the
+        model's layer count is checked against their sum when the model is known (engine/setup.py)."""
+        layers = self.stage_layers
+        if layers is None:
+            return
+        if isinstance(layers, list | tuple) and all(type(n) is int for n in layers):
+            layers = ",".join(map(str, layers))
+        parts = layers.split(",") if isinstance(layers, str) else None
+        if parts is None or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
+            raise ConfigError(
+                f"stage_layers must be comma-separated layer counts such as 8,8,16, got {layers!r}"
+            )
+        counts = [int(p) for p in parts]
+        if min(counts) < 1:
+            raise ConfigError(f"stage_layers gives a stage no layers: {layers!r} (every stage needs one)")
+        if len(counts) != self.pipeline_stages:
+            raise ConfigError(
+                f"stage_layers names {len(counts)} stages, pipeline_stages is {self.pipeline_stages}: give "
+                "one count per stage"
+            )
+        object.__setattr__(self, "stage_layers", ",".join(map(str, counts)))
+
+    def stage_layer_counts(self) -> list[int] | None:
+        """stage_layers as integers (None: split evenly)."""
+        return None if self.stage_layers is None else [int(n) for n in self.stage_layers.split(",")]
 
     def stage_transport_kind(self) -> str:
         """stage_transport with auto resolved: nccl on CUDA, host on the CPU (Gloo only)."""

@@ -131,7 +131,13 @@ def check_pipeline(
             raise ConfigError("this torch build has no NCCL: use --stage-transport host")
     else:
         raise ConfigError(f"pipeline stages run on the CPU or on CUDA devices, not {device.type}")
-    return stage_layers(L, c.pipeline_stages), devices
+    counts = c.stage_layer_counts()
+    if counts is not None and sum(counts) != L:
+        raise ConfigError(
+            f"stage_layers {c.stage_layers} sums to {sum(counts)} layers, the model has {L}: the counts must "
+            "add up to the model's layers"
+        )
+    return stage_layers(L, c.pipeline_stages, counts), devices
 
 
 def check_state_memory(

@@ -51,14 +51,19 @@ class _StagesDown(Exception):
     """The channel failed while a step waited on a guessed window (raised on as its cause)."""
 
 
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """Contiguous layer ranges, as even as can be (the first stages take one more)."""
+def stage_layers(num_layers: int, stages: int, counts: list[int] | None = None) -> list[range]:
+    """Contiguous layer ranges: `counts` layers each (the last stage keeps the head), or as even as can be
+    (the first stages take one more)."""
     if not 1 <= stages <= num_layers:
         raise ValueError(f"{stages} stages for {num_layers} layers")
-    size, extra = divmod(num_layers, stages)
+    if counts is None:
+        size, extra = divmod(num_layers, stages)
+        counts = [size + (s < extra) for s in range(stages)]
+    if len(counts) != stages or min(counts) < 1 or sum(counts) != num_layers:
+        raise ValueError(f"stage layer counts {counts} for {stages} stages of {num_layers} layers")
     bounds = [0]
-    for s in range(stages):
-        bounds.append(bounds[-1] + size + (s < extra))
+    for n in counts:
+        bounds.append(bounds[-1] + n)
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 

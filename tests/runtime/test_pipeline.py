@@ -476,3 +476,43 @@ def test_a_dead_stage_fails_its_requests_and_never_hangs(
         llm.close()
         assert time.monotonic() - t0 < 10
     assert all(p.poll() is not None for p in procs)
+
+
+@pytest.mark.parametrize("counts", ["1,7", "5,2,1", "2,2,1,1,2"])
+def test_uneven_stage_layers_give_the_single_device_outputs(small_model_dir, counts: str) -> None:
+    """--stage-layers: 2 to 5 stages of unequal layer counts (the last stage keeps the head)."""
+    prompts = _prompts()[:2]
+    one = LLM(str(small_model_dir), dtype="float32", **FLAGS)
+    stages = len(counts.split(","))
+    split = LLM(str(small_model_dir), dtype="float32", pipeline_stages=stages, stage_layers=counts, **FLAGS)
+    try:
+        assert len(split.engine.runner.model.layers) == int(counts.split(",")[0])  # stage 0's own layers
+        _same(one.generate(prompts, PARAMS[0]), split.generate(prompts, PARAMS[0]))
+        assert_pool_full(split)
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"pipeline_stages": 2, "stage_layers": "4,3"}, "sums to 7 layers, the model has 8"),
+        ({"pipeline_stages": 2, "stage_layers": "8,0"}, "no layers"),
+        ({"pipeline_stages": 3, "stage_layers": "4,4"}, "names 2 stages"),
+        ({"pipeline_stages": 2, "stage_layers": "4;4"}, "comma-separated"),
+        ({"pipeline_stages": 2, "stage_layers": "-1,9"}, "comma-separated"),
+        ({"pipeline_stages": 9, "stage_layers": "1,1,1,1,1,1,1,1,1"}, "exceeds"),
+    ],
+)
+def test_bad_stage_layers_are_config_errors(small_model_dir, kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(small_model_dir), dtype="float32", **(FLAGS | kw))
+
+
+def test_stage_layers_as_a_list_and_from_the_cli() -> None:
+    assert EngineConfig(pipeline_stages=3, stage_layers=[2, 3, 3]).stage_layer_counts() == [2, 3, 3]
+    args = build_parser().parse_args(["serve", "--pipeline-stages", "2", "--stage-layers", "3, 5"])
+    assert engine_config_from_args(args).stage_layers == "3,5"
+    assert stage_layers(8, 2, [3, 5]) == [range(0, 3), range(3, 8)]
+    with pytest.raises(ValueError):
+        stage_layers(8, 2, [3, 4])
