@@ -71,6 +71,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "the last stage)",
     "pipeline_devices": "CUDA device indices of the stages, comma-separated, one per stage (e.g. 1,0); "
     "default: consecutive from --device's index (cuda: 0,1,...)",
+    "gpu_memory_gib": "act as if the GPU had this many GiB: the memory plan and the KV pool are sized from "
+    "it and torch's allocator is capped at it (to reproduce a smaller card's run on a bigger one; one "
+    "process)",
     "stage_layers": "decoder layers of each stage, comma-separated, one count per stage, adding up to the "
     "model's layers (e.g. 8,8,8,8,16 for a big card last); default: as even as can be",
     "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "

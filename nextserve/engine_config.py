@@ -33,6 +33,7 @@ class EngineConfig:
     page_size: int = 64
     max_pending: int = 256
     memory_headroom_mib: int = 2048
+    gpu_memory_gib: float | None = None  # act as if the GPU had this many GiB (engine/device_memory.py)
     cpu_kv_budget_mib: int = 1024
     seed: int = 0
     prefix_cache: bool = True  # prefix reuse (--no-prefix-cache: off)
@@ -113,6 +114,17 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_headroom_mib < 0 or self.cpu_kv_budget_mib <= 0:
             raise ConfigError("memory_headroom_mib must be >= 0 and cpu_kv_budget_mib > 0")
+        cap = self.gpu_memory_gib
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < 1e6:
+                raise ConfigError(f"gpu_memory_gib must be a positive number of GiB, got {cap!r}")
+            if self.device == "cpu":
+                raise ConfigError("gpu_memory_gib caps a GPU's memory; the CPU backend has cpu_kv_budget_mib")
+            if self.pipeline_stages > 1:
+                raise ConfigError(
+                    "gpu_memory_gib caps one process's GPU; pipeline stages would each need their own cap, "
+                    "which is not there yet"
+                )
         self._check_stage_flags()
 
     def _check_stage_flags(self) -> None:

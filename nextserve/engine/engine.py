@@ -18,6 +18,7 @@ from ..runtime.pipeline import PipelineRunner, build_stage
 from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
 from ..runtime.windows import plain_greedy
 from .detokenizer import Detokenizer
+from .device_memory import cap_device_memory
 from .outputs import RequestOutput
 from .penalties import TokenTally
 from .preemption import Swapper
@@ -65,6 +66,7 @@ class LLMEngine:
         if stages > 1:
             ranges, devices = check_pipeline(config, cfg, self.device, model)
             self.device = devices[0]  # stage 0's, where the driver samples
+        cap_device_memory(self.device, config.gpu_memory_gib)  # (before anything is allocated on it)
         # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
         steps = config.speculative_tokens if config.speculative_method != "off" else 0
         mtp, self.plan = None, None

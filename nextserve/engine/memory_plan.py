@@ -25,6 +25,7 @@ from ..model.loader import CheckpointReader, model_fp8_capable
 from ..model.params import QUANT_SUFFIXES
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import scale_shape
+from .device_memory import free_bytes
 
 GiB = 2**30
 KINDS = ("experts", "dense", "embeddings", "PLE", "MTP")
@@ -180,7 +181,7 @@ def plan_memory(
     ple = {n for n in shapes if weight_kind(n) == "PLE"}
     host = ple if config.ple_table == "host" and device.type == "cuda" else set()
     if device.type == "cuda":
-        plan.free_at_start, _ = torch.cuda.mem_get_info(device)
+        plan.free_at_start = free_bytes(device, config.gpu_memory_gib)
         if config.ple_table == "auto":
             on_device = _predicted_bytes(shapes, fp8, set(), dtype, int4)
             if _need(plan, on_device, config) > plan.free_at_start:

@@ -25,6 +25,7 @@ from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
+from .device_memory import free_bytes
 from .memory_plan import MemoryPlan, headroom_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
@@ -149,7 +150,7 @@ def check_state_memory(
     c = config
     kinds = KindRange(range(len(cfg.gdn_layers)), range(len(cfg.ple_layers)), range(n_attn))
     need = StateSlots.slot_bytes(cfg, kinds, dtype) * (1 + c.max_concurrency * (1 + steps))
-    free, _ = torch.cuda.mem_get_info(device)
+    free = free_bytes(device, c.gpu_memory_gib)
     if need > free - c.memory_headroom_mib * 2**20:
         raise ConfigError(
             f"the state slots need {need / 2**20:.0f} MiB ({c.max_concurrency} sequences"
@@ -193,8 +194,7 @@ def kv_capacity(
         tokens = need.kv_tokens(ranges, devices, headroom + images * slot)
     else:
         if device.type == "cuda":  # one process: the weights and slots are in already
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = free - headroom
+            budget = free_bytes(device, config.gpu_memory_gib) - headroom
         else:
             budget = config.cpu_kv_budget_mib * 2**20
         images = prefix_images(config, budget, slot)
