@@ -49,14 +49,17 @@ def _pool_full(llm: LLM) -> None:
     assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("transport", ["host", "shm"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("graph", [True, False], ids=["graphs", "eager"])
-def test_two_stages_on_one_gpu_through_host_memory(small_model_dir, dtype: str, graph: bool) -> None:
-    """Both stages on cuda:0 (two processes), activations through pinned host memory: the stage code on
-    a GPU (placement, copies, the host transport, each stage's decode graphs or eager decode) gives the
-    single-GPU outputs; runs on one GPU."""
+def test_two_stages_on_one_gpu_through_host_memory(
+    small_model_dir, dtype: str, graph: bool, transport
+) -> None:
+    """Both stages on cuda:0 (two processes), activations through pinned host memory (over Gloo, or the
+    shared-memory rings): the stage code on a GPU (placement, copies, the host transport, each stage's
+    decode graphs or eager decode) gives the single-GPU outputs; runs on one GPU."""
     want = _single_gpu(str(small_model_dir), dtype)
-    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport="host", cuda_graph=graph)
+    flags = dict(pipeline_stages=2, pipeline_devices="0,0", stage_transport=transport, cuda_graph=graph)
     split = LLM(str(small_model_dir), dtype=dtype, **flags, **FLAGS)
     graphs, replays = split.engine.runner.graphs, []
     assert (graphs is not None) == graph
