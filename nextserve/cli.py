@@ -71,6 +71,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "the last stage)",
     "pipeline_devices": "CUDA device indices of the stages, comma-separated, one per stage (e.g. 1,0); "
     "default: consecutive from --device's index (cuda: 0,1,...)",
+    "experts": "where the routed experts live: device, host (pinned host memory the GPU kernels read over "
+    "the bus, for cards too small for them; the same outputs), or auto (host when the memory plan says they "
+    "do not fit on the device)",
     "gpu_memory_gib": "act as if the GPU had this many GiB: the memory plan and the KV pool are sized from "
     "it and torch's allocator is capped at it (to reproduce a smaller card's run on a bigger one; one "
     "process)",

@@ -61,6 +61,7 @@ class EngineConfig:
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
     ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
+    experts: str = "device"  # where the routed experts live: device, host (pinned), auto (host if no room)
     warm_up: bool = True  # compile every kernel specialisation at start, before serving (GPU only)
     compile_cache_dir: str | None = None  # Triton's compile cache (a restart then compiles nothing)
 
@@ -96,6 +97,13 @@ class EngineConfig:
             )
         if self.ple_table not in ("auto", "device", "host"):
             raise ConfigError(f"ple_table must be auto, device or host, got {self.ple_table!r}")
+        if self.experts not in ("auto", "device", "host"):
+            raise ConfigError(f"experts must be auto, device or host, got {self.experts!r}")
+        if self.experts != "device" and self.pipeline_stages > 1:
+            raise ConfigError(
+                "experts host or auto places one process's routed experts; with pipeline stages each stage "
+                "would place its own, which is not there yet"
+            )
         if self.quantization not in ("auto", "fp8", "int4", "none"):
             raise ConfigError(f"quantization must be auto, fp8, int4 or none, got {self.quantization!r}")
         if self.speculative_method not in ("off", "ngram", "mtp"):

@@ -179,13 +179,22 @@ def plan_memory(
     plan = state_plan(config, cfg, device, dtype, steps)
     plan.fp8, plan.int4 = frozenset(fp8), dict(int4)
     ple = {n for n in shapes if weight_kind(n) == "PLE"}
+    experts = {n for n in shapes if weight_kind(n) == "experts"}
     host = ple if config.ple_table == "host" and device.type == "cuda" else set()
+    if config.experts == "host" and device.type == "cuda":
+        host = host | experts
     if device.type == "cuda":
         plan.free_at_start = free_bytes(device, config.gpu_memory_gib)
+        # NOTE: what does not fit moves to the host in this order: the n-gram table (a few rows a token
+        # cross the bus), then the routed experts (the experts a step routes to cross it)
         if config.ple_table == "auto":
-            on_device = _predicted_bytes(shapes, fp8, set(), dtype, int4)
+            on_device = _predicted_bytes(shapes, fp8, host, dtype, int4)
             if _need(plan, on_device, config) > plan.free_at_start:
-                host = ple
+                host = host | ple
+        if config.experts == "auto":
+            on_device = _predicted_bytes(shapes, fp8, host, dtype, int4)
+            if _need(plan, on_device, config) > plan.free_at_start:
+                host = host | experts
     plan.host = frozenset(host)
     plan.weights = _predicted_bytes(shapes, fp8, host, dtype, int4)
     if device.type == "cuda":
@@ -214,9 +223,14 @@ def _check_fits(plan: MemoryPlan, config: EngineConfig, shapes, dtype, ple: set[
     if plain and config.quantization != "int4" and dtype != torch.float32:
         saved = sum(math.prod(shapes[n]) for n in plain) * (elem - 0.5 - elem / 128)
         hints.append(f"--quantization int4 (about {saved / GiB:.0f} GiB less)")
-    if ple and not plan.host:
+    if ple and not ple <= plan.host:
         hints.append(
             f"--ple-table host ({plan.weights.get(('PLE', 'device'), 0) / GiB:.1f} GiB to host memory)"
+        )
+    if plan.weights.get(("experts", "device")):
+        hints.append(
+            f"--experts host ({plan.weights[('experts', 'device')] / GiB:.1f} GiB of routed experts to host "
+            "memory, read by the GPU over the bus)"
         )
     state = plan.slot_bytes * (plan.slots + plan.keep_slots)
     hints.append(f"a lower --max-concurrency (the state slots take {state / GiB:.2f} GiB)")

@@ -415,9 +415,9 @@ def materialize(
         for name, p in list(m.named_parameters(recurse=False)):
             full = f"{mod_name}.{name}" if mod_name else name
             if full in fp8:
-                fp8_parameters(m, name, device)
+                fp8_parameters(m, name, device, full in host)
             elif full in int4:
-                int4_parameters(m, name, device, *int4[full])
+                int4_parameters(m, name, device, *int4[full], host=full in host)
             elif full in host and pinned:
                 t = pinned_empty(p.shape, dtype)
                 m._parameters[name] = nn.Parameter(t, False)

@@ -14,6 +14,7 @@ from torch import nn
 from ..ops.fp8 import BLOCK, FP8, Fp8Weight, scale_shape
 from ..ops.int4 import Int4Weight, packed_width
 from ..ops.linear import linear
+from ..ops.pinned import pinned_empty
 
 SCALE = "_scale_inv"  # name suffix of an FP8 parameter's scales: `X.weight` -> `X.weight_scale_inv`
 INT4_SCALE, INT4_ZERO = "_scale", "_zero"  # an int4 parameter's group scales and (asymmetric) zero points
@@ -33,12 +34,19 @@ class Weight(nn.Module):
         return operand_of(self, "weight")
 
 
-def fp8_parameters(module: nn.Module, name: str, device: torch.device | str) -> None:
-    """Turn module's parameter `name` into an empty FP8 one on device, with `{name}_scale_inv` beside it
-    (a loader or a random fill fills both)."""
+def _empty(shape, dtype: torch.dtype, device: torch.device | str, host: bool) -> torch.Tensor:
+    """Uninitialised storage on device, or (host, a GPU device) page-locked host memory its kernels read."""
+    if host and torch.device(device).type == "cuda":
+        return pinned_empty(tuple(shape), dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def fp8_parameters(module: nn.Module, name: str, device: torch.device | str, host: bool = False) -> None:
+    """Turn module's parameter `name` into an empty FP8 one on device (pinned host memory with `host`),
+    with `{name}_scale_inv` beside it (a loader or a random fill fills both)."""
     p = getattr(module, name)
-    setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=FP8, device=device), requires_grad=False))
-    scale = torch.empty(scale_shape(tuple(p.shape)), dtype=torch.float32, device=device)
+    setattr(module, name, nn.Parameter(_empty(p.shape, FP8, device, host), requires_grad=False))
+    scale = _empty(scale_shape(tuple(p.shape)), torch.float32, device, host)
     module.register_parameter(name + SCALE, nn.Parameter(scale, requires_grad=False))
 
 
@@ -49,18 +57,19 @@ def int4_parameters(
     group: int,
     scale_dtype: torch.dtype,
     symmetric: bool,
+    host: bool = False,
 ) -> None:
     """Turn module's parameter `name` [..., N, K] into empty packed int4 words [..., N, K/8] (int32) with
     `{name}_scale` [..., N, K/group] in `scale_dtype` and, asymmetric, `{name}_zero` (int8) beside it
     (ops/int4.py's form; a loader fills them)."""
     p = getattr(module, name)
     *lead, n, k = p.shape
-    packed = torch.empty((*lead, n, packed_width(k)), dtype=torch.int32, device=device)
+    packed = _empty((*lead, n, packed_width(k)), torch.int32, device, host)
     setattr(module, name, nn.Parameter(packed, requires_grad=False))
-    scale = torch.empty((*lead, n, k // group), dtype=scale_dtype, device=device)
+    scale = _empty((*lead, n, k // group), scale_dtype, device, host)
     module.register_parameter(name + INT4_SCALE, nn.Parameter(scale, requires_grad=False))
     if not symmetric:
-        zero = torch.empty(scale.shape, dtype=torch.int8, device=device)
+        zero = _empty(scale.shape, torch.int8, device, host)
         module.register_parameter(name + INT4_ZERO, nn.Parameter(zero, requires_grad=False))
 
 

@@ -81,3 +81,61 @@ def test_the_table_names_the_host_arena():
     plan = MemoryPlan(torch.device("cuda", 0), slot_bytes=2**20, slots=3, headroom=GiB, host_arena=4 * GiB)
     assert "host arena (host images, preempted sequences): 4.00 GiB pinned on the host" in plan.table()
     assert "host arena" not in MemoryPlan(torch.device("cpu"), slot_bytes=2**20, slots=3).table()
+
+
+def test_experts_flag_values() -> None:
+    for good in ("auto", "device", "host"):
+        EngineConfig(experts=good)
+    for bad in ("disk", "", None, 1):
+        with pytest.raises(ConfigError, match="experts must be"):
+            EngineConfig(experts=bad)
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        EngineConfig(experts="host", pipeline_stages=2)
+
+
+def _cuda_plan(monkeypatch, tmp_path, free_gib: float, **flags):
+    """plan_memory of the tiny preset as if on a GPU with `free_gib` free (nothing is allocated)."""
+    from nextserve.engine import memory_plan
+
+    d = make_model(
+        "tiny", tmp_path / "m", seed=0, quantization=flags.pop("quantization", None), group_size=16
+    )
+    monkeypatch.setattr(memory_plan, "free_bytes", lambda dev, gib: int(free_gib * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
+    config = EngineConfig(model=str(d), device="cuda", memory_headroom_mib=0, max_concurrency=2, **flags)
+    cfg = ModelConfig.from_dir(d)
+    return plan_memory(config, cfg, torch.device("cuda", 0), torch.bfloat16, 0, False)
+
+
+def test_experts_host_places_the_routed_experts_in_host_memory(monkeypatch, tmp_path) -> None:
+    plan = _cuda_plan(monkeypatch, tmp_path, 10, experts="host", quantization="int4")
+    experts = {n for n in expected_shapes(ModelConfig.from_dir(tmp_path / "m")) if ".mlp.experts." in n}
+    assert experts and experts <= plan.host
+    assert ("experts", "device") not in plan.weights and plan.weights[("experts", "host")] > 0
+    assert any(n in plan.int4 for n in experts)  # int4 experts: words and scales on the host
+    device = _cuda_plan(monkeypatch, tmp_path / "2", 10, experts="device")
+    assert not any(".mlp.experts." in n for n in device.host)
+
+
+def test_experts_auto_moves_them_only_when_they_do_not_fit(monkeypatch, tmp_path) -> None:
+    roomy = _cuda_plan(monkeypatch, tmp_path, 10, experts="auto")
+    assert not any(".mlp.experts." in n for n in roomy.host)
+    from nextserve.engine.memory_plan import _need
+
+    config = EngineConfig(device="cuda", memory_headroom_mib=0, max_concurrency=2)
+    experts = roomy.weights[("experts", "device")]
+    tight = (_need(roomy, roomy.weights, config) - experts / 2) / GiB  # fits only without the experts
+    moved = _cuda_plan(monkeypatch, tmp_path / "2", tight, experts="auto", ple_table="device")
+    assert any(".mlp.experts." in n for n in moved.host), moved.table()
+
+
+def test_a_too_big_model_is_told_about_experts_host() -> None:
+    config = EngineConfig(dtype="bfloat16", max_concurrency=4)
+    plan = MemoryPlan(
+        torch.device("cuda", 0), weights={("experts", "device"): 60 * GiB, ("dense", "device"): 4 * GiB},
+        slot_bytes=2**20, slots=5, headroom=2 * GiB, kv_per_token=27456, free_at_start=22 * GiB,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--experts host \\(60.0 GiB of routed experts"):
+        _check_fits(
+            plan, config, {"layers.0.mlp.experts.gate_up_proj": (512, 1280, 2560)}, torch.bfloat16, set()
+        )
