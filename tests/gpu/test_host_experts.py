@@ -1,6 +1,6 @@
 """--experts host on a GPU: the routed experts in pinned host memory, read by the same grouped kernels over
-the bus, give the bits of the experts on the device (tokens and logprobs, with CUDA graphs and eagerly, batched),
-in bf16, FP8 and int4; and they are where the flag says."""
+the bus, give the bits of the experts on the device (tokens and logprobs, with CUDA graphs and eagerly,
+batched), in bf16, FP8 and int4; and they are where the flag says."""
 
 import pytest
 import torch
