@@ -76,7 +76,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "do not fit on the device)",
     "gpu_memory_gib": "act as if the GPU had this many GiB: the memory plan and the KV pool are sized from "
     "it and torch's allocator is capped at it (to reproduce a smaller card's run on a bigger one; one "
-    "process)",
+    "process); default: the GPU's own memory",
     "stage_layers": "decoder layers of each stage, comma-separated, one count per stage, adding up to the "
     "model's layers (e.g. 8,8,8,8,16 for a big card last); default: as even as can be",
     "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "
