@@ -78,7 +78,11 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "it and torch's allocator is capped at it (to reproduce a smaller card's run on a bigger one; one "
     "process); default: the GPU's own memory",
     "stage_layers": "decoder layers of each stage, comma-separated, one count per stage, adding up to the "
-    "model's layers (e.g. 8,8,8,8,16 for a big card last); default: as even as can be",
+    "model's layers (e.g. 8,8,8,8,16 for a big card last), or auto (in proportion to --stage-memory-gib); "
+    "default: as even as can be",
+    "stage_memory_gib": "each stage's GPU memory cap in GiB, comma-separated, one per stage (e.g. "
+    "24,12,12,12,12 to play a rig of unequal cards on one GPU): each stage process's allocator is capped at "
+    "it and the KV pool is sized to fit the tightest; default: no caps",
     "decode_groups": "with pipeline stages: split each step's decoding requests into this many round-robin "
     "groups that circulate through the stages, each group's next token sent in as soon as it is sampled, "
     "up to this many tokens a step, so every stage works (outputs unchanged)",

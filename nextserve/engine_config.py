@@ -46,7 +46,8 @@ class EngineConfig:
     speculative_tokens: int = 4  # draft tokens per verify window at most
     pipeline_stages: int = 1  # processes the layers are split across, one device each
     pipeline_devices: str | None = None  # CUDA index per stage, "0,1" (default: consecutive from --device's)
-    stage_layers: str | None = None  # decoder layers per stage, "8,8,8,8,16" (default: as even as can be)
+    stage_layers: str | None = None  # decoder layers per stage, "8,8,8,8,16" or auto (default: even)
+    stage_memory_gib: str | None = None  # each stage's GPU memory cap, "24,12,12,12,12" (default: none)
     decode_groups: int = 1  # pipeline decode rows as this many groups in flight across the stages
     pipeline_prefill_chunks: int | str = "auto"  # a prompt's chunks a step sends in (auto: one per stage)
     # one process: prompt chunks one forward runs, each as it runs alone, their routed experts in one call
@@ -251,10 +252,16 @@ class EngineConfig:
         return [torch.device("cuda", (dev.index or 0) + i) for i in range(self.pipeline_stages)]
 
     def _check_stage_layers(self) -> None:
-        """stage_layers: positive counts, one per stage (normalised to "a,b,..." from a list of ints); the
-        model's layer count is checked against their sum when the model is known (engine/setup.py)."""
+        """stage_layers: positive counts, one per stage (normalised to "a,b,..." from a list of ints), or
+        auto (by stage_memory_gib); the model's layer count is checked against their sum when the model is
+        known (engine/setup.py). stage_memory_gib: positive GiB, one per stage, on CUDA."""
+        self._check_stage_memory()
         layers = self.stage_layers
-        if layers is None:
+        if layers == "auto" and self.stage_memory_gib is None:
+            raise ConfigError(
+                "stage_layers auto splits the layers by each stage's stage_memory_gib: give those"
+            )
+        if layers is None or layers == "auto":
             return
         if isinstance(layers, list | tuple) and all(type(n) is int for n in layers):
             layers = ",".join(map(str, layers))
@@ -273,9 +280,55 @@ class EngineConfig:
             )
         object.__setattr__(self, "stage_layers", ",".join(map(str, counts)))
 
-    def stage_layer_counts(self) -> list[int] | None:
-        """stage_layers as integers (None: split evenly)."""
-        return None if self.stage_layers is None else [int(n) for n in self.stage_layers.split(",")]
+    def _check_stage_memory(self) -> None:
+        caps = self.stage_memory_gib
+        if caps is None:
+            return
+        if isinstance(caps, list | tuple) and all(isinstance(c, int | float) for c in caps):
+            caps = ",".join(map(str, caps))
+        try:
+            values = [float(c) for c in caps.split(",")] if isinstance(caps, str) else None
+        except ValueError:
+            values = None
+        if values is None or not all(0 < v < 1e6 for v in values):
+            raise ConfigError(
+                f"stage_memory_gib must be comma-separated positive GiB such as 24,12, got {caps!r}"
+            )
+        if len(values) != self.pipeline_stages or self.pipeline_stages < 2:
+            raise ConfigError(
+                f"stage_memory_gib names {len(values)} stages, pipeline_stages is {self.pipeline_stages}: "
+                "give one cap per stage of a pipeline"
+            )
+        if self.device == "cpu":
+            raise ConfigError(
+                "stage_memory_gib caps the stages' GPU memory; the CPU backend has cpu_kv_budget_mib"
+            )
+        object.__setattr__(self, "stage_memory_gib", ",".join(f"{v:g}" for v in values))
+
+    def stage_memory_caps(self) -> list[float] | None:
+        """stage_memory_gib as numbers (None: no caps)."""
+        caps = self.stage_memory_gib
+        return None if caps is None else [float(c) for c in caps.split(",")]
+
+    def stage_layer_counts(self, num_layers: int | None = None) -> list[int] | None:
+        """stage_layers as integers (None: split evenly); auto needs the model's `num_layers`: each stage's
+        share of the layers in proportion to its memory cap (largest remainders; at least one each)."""
+        if self.stage_layers is None:
+            return None
+        if self.stage_layers != "auto":
+            return [int(n) for n in self.stage_layers.split(",")]
+        caps = self.stage_memory_caps()
+        assert caps is not None and num_layers is not None
+        if num_layers < len(caps):
+            raise ConfigError(f"stage_layers auto: {len(caps)} stages for {num_layers} layers")
+        shares = [num_layers * c / sum(caps) for c in caps]
+        counts = [max(1, int(s)) for s in shares]
+        while sum(counts) > num_layers:  # (a stage raised to one layer)
+            i = max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: counts[i] - shares[i])
+            counts[i] -= 1
+        for i in sorted(range(len(caps)), key=lambda i: counts[i] - shares[i])[: num_layers - sum(counts)]:
+            counts[i] += 1
+        return counts
 
     def stage_transport_kind(self) -> str:
         """stage_transport with auto resolved: nccl on CUDA, host on the CPU (Gloo only)."""

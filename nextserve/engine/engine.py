@@ -66,7 +66,8 @@ class LLMEngine:
         if stages > 1:
             ranges, devices = check_pipeline(config, cfg, self.device, model)
             self.device = devices[0]  # stage 0's, where the driver samples
-        cap_device_memory(self.device, config.gpu_memory_gib)  # (before anything is allocated on it)
+        caps = config.stage_memory_caps()  # (stage 0's, the driver's; the stages cap their own)
+        cap_device_memory(self.device, config.gpu_memory_gib if caps is None else caps[0])
         # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
         steps = config.speculative_tokens if config.speculative_method != "off" else 0
         mtp, self.plan = None, None

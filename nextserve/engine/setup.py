@@ -132,7 +132,7 @@ def check_pipeline(
             raise ConfigError("this torch build has no NCCL: use --stage-transport host")
     else:
         raise ConfigError(f"pipeline stages run on the CPU or on CUDA devices, not {device.type}")
-    counts = c.stage_layer_counts()
+    counts = c.stage_layer_counts(L)
     if counts is not None and sum(counts) != L:
         raise ConfigError(
             f"stage_layers {c.stage_layers} sums to {sum(counts)} layers, the model has {L}: the counts must "
@@ -190,8 +190,9 @@ def kv_capacity(
         ranges, devices, steps = stages
         mtp = config.speculative_method == "mtp"
         need = StageNeeds(cfg, dtype, config.state_slots, steps, mtp, config.head_embedding)
-        images = prefix_images(config, need.kv_tokens(ranges, devices, headroom) * per_token, slot)
-        tokens = need.kv_tokens(ranges, devices, headroom + images * slot)
+        caps = config.stage_memory_caps()
+        images = prefix_images(config, need.kv_tokens(ranges, devices, headroom, caps) * per_token, slot)
+        tokens = need.kv_tokens(ranges, devices, headroom + images * slot, caps)
     else:
         if device.type == "cuda":  # one process: the weights and slots are in already
             budget = free_bytes(device, config.gpu_memory_gib) - headroom

@@ -27,7 +27,7 @@ import torch
 
 from ..cache.kv_pool import KVPool, kv_bytes_per_token
 from ..cache.states import KindRange, StateSlots
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
 from ..model.loader import load_module, meta_device
@@ -121,12 +121,28 @@ class StageNeeds:
         slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + self.num_slots * (1 + self.window_steps))
         return weights * elem + slots, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
 
-    def kv_tokens(self, ranges: list[range], devices: list[torch.device], headroom: int) -> int:
+    def kv_tokens(
+        self, ranges: list[range], devices: list[torch.device], headroom: int, caps: list[float] | None = None
+    ) -> int:
         """The KV tokens every stage's GPU holds besides its stages' needs (the pool is the same size in
-        every stage): the least over the GPUs, sized before any stage loads.
+        every stage): the least over the GPUs, sized before any stage loads; with `caps` (GiB a stage,
+        --stage-memory-gib) also the least over the stages of what each one's cap holds. A stage whose
+        needs pass its cap is a ConfigError naming it.
 
         # NOTE: the free memory of stage 0's GPU only (reading another's would open a CUDA context on it
         # from the driver); the other GPUs are taken to have as much free."""
+        fits = []
+        for rank, (layers, cap) in enumerate(zip(ranges, caps or [], strict=False)):
+            need, per_token = self.bytes_and_kv_per_token(layers)
+            room = int(cap * 2**30) - headroom - need
+            if room < per_token:
+                raise ConfigError(
+                    f"pipeline stage {rank} (layers {layers.start}-{layers.stop - 1}) needs "
+                    f"{(need + headroom) / 2**30:.1f} GiB and its cap is {cap:g} GiB: give it fewer layers "
+                    "(--stage-layers), a bigger cap (--stage-memory-gib), --quantization int4 or fp8, or a "
+                    "lower --max-concurrency"
+                )
+            fits.append(room // per_token)
         free, _ = torch.cuda.mem_get_info(devices[0])
         per_device: dict[torch.device, list[int]] = {}  # device -> [bytes needed, KV bytes per token]
         for layers, dev in zip(ranges, devices, strict=True):
@@ -134,7 +150,8 @@ class StageNeeds:
             total = per_device.setdefault(dev, [0, 0])
             total[0] += need
             total[1] += per_token
-        return min((free - headroom - need) // per_token for need, per_token in per_device.values())
+        on_devices = min((free - headroom - need) // per_token for need, per_token in per_device.values())
+        return min([on_devices, *fits])
 
 
 class PipelineRunner(StageWorker):
@@ -146,13 +163,15 @@ class PipelineRunner(StageWorker):
         devices: list[torch.device], max_context: int,
     ) -> None:  # fmt: skip
         cfg, dtype, kind = model.cfg, pool.k.dtype, config.stage_transport_kind()
+        caps = config.stage_memory_caps()
         port = free_port()
         arena_mib = pool.host_arena.nbytes >> 20 if pool.host_arena is not None else 0
         setups = [
             StageSetup(config.model, cfg, stages[rank], dtype, slots.num_slots, pool.num_pages,
                        pool.page_size, rank, len(stages), port, torch.get_num_threads(), str(devices[rank]),
                        kind, config.pdl, max_context, config.cuda_graph, slots.window_steps,
-                       config.quantization, mtp_tokens(config), config.head_embedding, arena_mib)
+                       config.quantization, mtp_tokens(config), config.head_embedding, arena_mib,
+                       None if caps is None else caps[rank])
             for rank in range(1, len(stages))
         ]  # fmt: skip
         channel, self.procs = start_stages(setups, port)

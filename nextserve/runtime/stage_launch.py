@@ -51,6 +51,7 @@ class StageSetup:
     mtp_tokens: int = 0  # the last stage's MTP block drafts up to this many a window (0: no MTP)
     head_embedding: str = "device"  # where that block's token embeddings live (EngineConfig)
     host_arena_mib: int = 0  # pinned host memory locked at start for its share of host images (0: none)
+    memory_gib: float | None = None  # this stage's GPU memory cap (--stage-memory-gib; None: none)
 
 
 @wire_type
@@ -77,6 +78,7 @@ class RankSetup:
     mtp_tokens: int
     head_embedding: str
     host_arena_mib: int
+    memory_gib: float | None = None
 
     @classmethod
     def of(cls, s: StageSetup) -> RankSetup:
@@ -84,7 +86,7 @@ class RankSetup:
         return cls(os.path.abspath(s.model_dir), s.layers.start, s.layers.stop, dtype, s.num_slots,
                    s.num_pages, s.page_size, s.threads, torch.device(s.device).type, s.transport, s.pdl,
                    s.max_context, s.cuda_graph, s.window_steps, s.quantization, s.mtp_tokens,
-                   s.head_embedding, s.host_arena_mib)  # fmt: skip
+                   s.head_embedding, s.host_arena_mib, s.memory_gib)  # fmt: skip
 
     def stage_setup(self, rank: int, world: int, local_rank: int) -> StageSetup:
         device = f"cuda:{local_rank}" if self.device_type == "cuda" else "cpu"
@@ -92,7 +94,7 @@ class RankSetup:
             self.model_dir, ModelConfig.from_dir(self.model_dir), range(self.first_layer, self.end_layer),
             DTYPES[self.dtype], self.num_slots, self.num_pages, self.page_size, rank, world, 0, self.threads,
             device, self.transport, self.pdl, self.max_context, self.cuda_graph, self.window_steps,
-            self.quantization, self.mtp_tokens, self.head_embedding, self.host_arena_mib,
+            self.quantization, self.mtp_tokens, self.head_embedding, self.host_arena_mib, self.memory_gib,
         )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..cache.pinned_arena import PinnedArena
+from ..engine.device_memory import cap_device_memory
 from .mtp_runner import load_head_embedding, load_mtp
 from .pipeline import build_stage
 from .stage_channel import StageChannel
@@ -38,6 +39,7 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches, current streams and NCCL follow it
+        cap_device_memory(device, setup.memory_gib)
     torchrun = channel is not None
     if channel is None:
         channel = open_channel(setup.transport, setup.rank, setup.world, setup.port)

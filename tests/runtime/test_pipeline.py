@@ -516,3 +516,48 @@ def test_stage_layers_as_a_list_and_from_the_cli() -> None:
     assert stage_layers(8, 2, [3, 5]) == [range(0, 3), range(3, 8)]
     with pytest.raises(ValueError):
         stage_layers(8, 2, [3, 4])
+
+
+def test_stage_memory_caps_and_auto_layers() -> None:
+    c = EngineConfig(device="cuda", pipeline_stages=5, stage_memory_gib="24,12,12,12,12", stage_layers="auto")
+    assert c.stage_memory_caps() == [24.0, 12.0, 12.0, 12.0, 12.0]
+    assert c.stage_layer_counts(48) == [16, 8, 8, 8, 8]  # layout A's cards, in proportion
+    b = EngineConfig(device="cuda", pipeline_stages=4, stage_memory_gib=[12, 12, 24, 24], stage_layers="auto")
+    assert b.stage_layer_counts(48) == [8, 8, 16, 16] and sum(b.stage_layer_counts(7)) == 7
+    tiny = EngineConfig(device="cuda", pipeline_stages=3, stage_memory_gib="100,1,1", stage_layers="auto")
+    assert tiny.stage_layer_counts(4) == [2, 1, 1]  # every stage keeps at least one layer
+    with pytest.raises(ConfigError, match="3 stages for 2 layers"):
+        tiny.stage_layer_counts(2)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"stage_memory_gib": "24,0"}, "positive GiB"),
+        ({"stage_memory_gib": "24,x"}, "positive GiB"),
+        ({"stage_memory_gib": "24"}, "one cap per stage"),
+        ({"stage_memory_gib": "24,12", "device": "cpu"}, "CPU backend"),
+        ({"stage_layers": "auto"}, "stage_memory_gib"),
+    ],
+)
+def test_bad_stage_memory_flags(kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**({"device": "cuda", "pipeline_stages": 2} | kw))
+
+
+def test_a_stage_past_its_cap_names_itself(monkeypatch, small_model_dir) -> None:
+    """KV sizing with --stage-memory-gib: the tightest stage sets the pool; one whose layers alone pass its
+    cap is a ConfigError naming it and the flags."""
+    from nextserve.config import ModelConfig
+    from nextserve.runtime.pipeline import StageNeeds
+
+    cfg = ModelConfig.from_dir(small_model_dir)
+    need = StageNeeds(cfg, torch.bfloat16, 4, 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (80 * 2**30, 80 * 2**30))
+    ranges, devices = stage_layers(8, 2), [torch.device("cuda", 0)] * 2
+    roomy = need.kv_tokens(ranges, devices, 2**20)
+    capped = need.kv_tokens(ranges, devices, 2**20, [1.0, 0.01])
+    _, per_token = need.bytes_and_kv_per_token(ranges[1])
+    assert capped < roomy and capped <= int(0.01 * 2**30) // per_token
+    with pytest.raises(ConfigError, match="pipeline stage 1 \\(layers 4-7\\).*--stage-layers"):
+        need.kv_tokens(ranges, devices, 2**20, [1.0, 0.0001])
