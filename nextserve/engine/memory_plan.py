@@ -109,18 +109,42 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _predicted_bytes(
-    shapes: dict[str, tuple[int, ...]], fp8: set[str], host: set[str], dtype, int4: dict | None = None
-) -> dict:
+def tensor_bytes(
+    shapes: dict[str, tuple[int, ...]], fp8: set[str], dtype, int4: dict | None = None
+) -> dict[str, int]:
+    """Each runtime tensor's bytes as it will be held: FP8 with its block scales, int4 words with their
+    group scales (and zero points), the rest in dtype."""
     elem = torch.empty((), dtype=dtype).element_size()
     int4 = int4 or {}
-    out: dict[tuple[str, str], int] = {}
+    out = {}
     for name, shape in shapes.items():
         n = math.prod(shape)
         b = n + 4 * math.prod(scale_shape(shape)) if name in fp8 else n * elem
         if name in int4:  # words, and a scale (and zero point) a group
             group, scale_dtype, symmetric = int4[name]
             b = n // 2 + (n // group) * (scale_dtype.itemsize + (0 if symmetric else 1))
+        out[name] = b
+    return out
+
+
+def held_tensor_bytes(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, with_mtp: bool
+) -> dict[str, int]:
+    """`tensor_bytes` of config.model as the loader will hold it (its FP8 and int4 decisions)."""
+    shapes = expected_shapes(cfg, with_mtp=with_mtp)
+    capable = model_fp8_capable(cfg, with_mtp)
+    with ExitStack() as stack:
+        reader = CheckpointReader(Path(config.model), cfg, shapes, stack)
+        fp8 = reader.fp8_names(capable.__contains__, config.quantization, device)
+        int4 = reader.int4_names(capable.__contains__, config.quantization)
+    return tensor_bytes(shapes, fp8, dtype, int4)
+
+
+def _predicted_bytes(
+    shapes: dict[str, tuple[int, ...]], fp8: set[str], host: set[str], dtype, int4: dict | None = None
+) -> dict:
+    out: dict[tuple[str, str], int] = {}
+    for name, b in tensor_bytes(shapes, fp8, dtype, int4).items():
         key = (weight_kind(name), "host" if name in host else "device")
         out[key] = out.get(key, 0) + b
     return out

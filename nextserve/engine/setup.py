@@ -26,7 +26,7 @@ from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
 from .device_memory import free_bytes
-from .memory_plan import MemoryPlan, headroom_bytes, module_bytes, plan_memory, state_plan
+from .memory_plan import MemoryPlan, headroom_bytes, held_tensor_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
 log = logging.getLogger("nextserve.engine")
@@ -189,7 +189,8 @@ def kv_capacity(
     if device.type == "cuda" and stages is not None:
         ranges, devices, steps = stages
         mtp = config.speculative_method == "mtp"
-        need = StageNeeds(cfg, dtype, config.state_slots, steps, mtp, config.head_embedding)
+        held = held_tensor_bytes(config, cfg, device, dtype, mtp)
+        need = StageNeeds(cfg, dtype, config.state_slots, steps, mtp, config.head_embedding, held)
         caps = config.stage_memory_caps()
         images = prefix_images(config, need.kv_tokens(ranges, devices, headroom, caps) * per_token, slot)
         tokens = need.kv_tokens(ranges, devices, headroom + images * slot, caps)

@@ -109,17 +109,24 @@ class StageNeeds:
     window_steps: int
     mtp: bool = False
     head_embedding: str = "device"
+    held: dict[str, int] | None = None  # each tensor's bytes as loaded (memory_plan.held_tensor_bytes)
 
     def bytes_and_kv_per_token(self, layers: range) -> tuple[int, int]:
-        """(bytes of the stage's weights and state slots, bytes per token of its KV planes)."""
+        """(bytes of the stage's weights and state slots, bytes per token of its KV planes). Weights count as
+        `held` says (FP8 and int4 ones as they are held), else in the model dtype."""
         cfg, kinds = self.cfg, KindRange.of(self.cfg, layers)
         elem = torch.empty((), dtype=self.dtype).element_size()
         shapes = expected_shapes(cfg, with_mtp=self.mtp)
-        weights = sum(math.prod(s) for name, s in shapes.items() if in_stage(name, layers, cfg))
+        held = self.held or {}
+
+        def size(name: str) -> int:
+            return held.get(name, math.prod(shapes[name]) * elem)
+
+        weights = sum(size(name) for name in shapes if in_stage(name, layers, cfg))
         if self.mtp and self.head_embedding == "device" and layers.stop == cfg.num_hidden_layers:
-            weights += math.prod(shapes["embed_tokens.weight"])
+            weights += math.prod(shapes["embed_tokens.weight"]) * elem
         slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + self.num_slots * (1 + self.window_steps))
-        return weights * elem + slots, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
+        return weights + slots, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
 
     def kv_tokens(
         self, ranges: list[range], devices: list[torch.device], headroom: int, caps: list[float] | None = None

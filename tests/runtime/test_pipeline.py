@@ -4,6 +4,7 @@ decode; and the flags that pipelines do not take (yet) are clear errors. On GPUs
 tests/gpu/test_pipeline_cuda.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -561,3 +562,25 @@ def test_a_stage_past_its_cap_names_itself(monkeypatch, small_model_dir) -> None
     assert capped < roomy and capped <= int(0.01 * 2**30) // per_token
     with pytest.raises(ConfigError, match="pipeline stage 1 \\(layers 4-7\\).*--stage-layers"):
         need.kv_tokens(ranges, devices, 2**20, [1.0, 0.0001])
+
+
+def test_stage_needs_count_int4_weights_as_held(tmp_path) -> None:
+    """A stage's needs (for its cap and the KV sizing) count int4 weights as words and scales."""
+    from nextserve.config import ModelConfig
+    from nextserve.engine.memory_plan import held_tensor_bytes
+    from nextserve.model.make_model import make_model
+    from nextserve.model.shapes import expected_shapes
+    from nextserve.runtime.pipeline import StageNeeds
+
+    d = make_model("tiny", tmp_path / "q", seed=1, quantization="int4", group_size=16)
+    cfg = ModelConfig.from_dir(d)
+    config = EngineConfig(model=str(d), device="cpu", dtype="bfloat16")
+    held = held_tensor_bytes(config, cfg, torch.device("cpu"), torch.bfloat16, False)
+    layers = range(0, cfg.num_hidden_layers)
+    plain, _ = StageNeeds(cfg, torch.bfloat16, 2, 0).bytes_and_kv_per_token(layers)
+    packed, _ = StageNeeds(cfg, torch.bfloat16, 2, 0, held=held).bytes_and_kv_per_token(layers)
+    experts = [n for n in held if ".mlp.experts." in n]
+    saved = sum(math.prod(s) * 2 for n, s in expected_shapes(cfg).items() if n in experts) - sum(
+        held[n] for n in experts
+    )
+    assert saved > 0 and plain - packed >= saved
