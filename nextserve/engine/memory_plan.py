@@ -127,16 +127,25 @@ def tensor_bytes(
     return out
 
 
-def held_tensor_bytes(
-    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, with_mtp: bool
-) -> dict[str, int]:
-    """`tensor_bytes` of config.model as the loader will hold it (its FP8 and int4 decisions)."""
+def held_formats(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, with_mtp: bool
+) -> tuple[dict[str, tuple[int, ...]], set[str], dict]:
+    """(the runtime shapes, the names held in FP8, the names held in int4 with their grouping) of
+    config.model, as the loader will decide them (read from the checkpoint's headers and config only)."""
     shapes = expected_shapes(cfg, with_mtp=with_mtp)
     capable = model_fp8_capable(cfg, with_mtp)
     with ExitStack() as stack:
         reader = CheckpointReader(Path(config.model), cfg, shapes, stack)
         fp8 = reader.fp8_names(capable.__contains__, config.quantization, device)
         int4 = reader.int4_names(capable.__contains__, config.quantization)
+    return shapes, fp8, int4
+
+
+def held_tensor_bytes(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, with_mtp: bool
+) -> dict[str, int]:
+    """`tensor_bytes` of config.model as the loader will hold it (its FP8 and int4 decisions)."""
+    shapes, fp8, int4 = held_formats(config, cfg, device, with_mtp)
     return tensor_bytes(shapes, fp8, dtype, int4)
 
 
@@ -194,12 +203,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan of a one-process engine over config.model, before its weights are read: FP8 and host
     placement decided (as the loader will), the fit checked (ConfigError) on a GPU."""
-    shapes = expected_shapes(cfg, with_mtp=with_mtp)
-    capable = model_fp8_capable(cfg, with_mtp)
-    with ExitStack() as stack:
-        reader = CheckpointReader(Path(config.model), cfg, shapes, stack)
-        fp8 = reader.fp8_names(capable.__contains__, config.quantization, device)
-        int4 = reader.int4_names(capable.__contains__, config.quantization)
+    shapes, fp8, int4 = held_formats(config, cfg, device, with_mtp)
     plan = state_plan(config, cfg, device, dtype, steps)
     plan.fp8, plan.int4 = frozenset(fp8), dict(int4)
     ple = {n for n in shapes if weight_kind(n) == "PLE"}

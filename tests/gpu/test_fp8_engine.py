@@ -6,9 +6,9 @@ table in pinned host memory gives the bits of the table on the device."""
 
 import pytest
 import torch
-from pool_check import assert_pool_full
+from engine_cases import FLAGS, OVERRIDES, PARAMS, prompts, run
 
-from nextserve import LLM, SamplingParams
+from nextserve import LLM
 from nextserve.model.make_model import make_model
 from nextserve.ops.fp8 import FP8
 
@@ -17,59 +17,36 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-# The small preset with experts of 128 rows (whole scale blocks, so they stay FP8) at hidden 256.
-OVERRIDES = {"hidden_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
-FLAGS = dict(
-    device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=8192, max_context=1024
-)
-PARAMS = [
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=40, temperature=0.8, seed=4, ignore_eos=True),
-]
-
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
     return make_model("small", tmp_path_factory.mktemp("fp8"), overrides=OVERRIDES, quantization="fp8")
 
 
-def _prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(8, 2000, (n,), generator=g).tolist() for n in (9, 70, 140)]
-
-
-def _run(model_dir, **flags):
-    llm = LLM(str(model_dir), max_concurrency=4, **(FLAGS | flags))
-    outs = llm.generate(_prompts(), PARAMS)
-    assert_pool_full(llm)
-    return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs]
-
-
 def test_fp8_engine_modes_give_the_same_bits(fp8_dir):
-    fp8, want = _run(fp8_dir)
+    fp8, want = run(fp8_dir)
     m = fp8.engine.model
     assert m.layers["0"].mlp.experts.gate_up_proj.dtype == FP8
     assert m.layers["3"].self_attn.o_proj.weight.dtype == FP8
     assert m.layers["0"].linear_attn.in_proj.q.dtype == FP8  # qkv|z|b|a: one padded FP8 stack
-    _, none = _run(fp8_dir, quantization="none")
+    _, none = run(fp8_dir, quantization="none")
     (tokens, lps), (none_tokens, none_lps) = want[0], none[0]
     same = next((i for i, (a, b) in enumerate(zip(tokens, none_tokens, strict=True)) if a != b), len(tokens))
     assert same >= 8, (tokens, none_tokens)
     assert max(abs(a - b) for a, b in zip(lps[:same], none_lps[:same], strict=True)) < 0.1
-    _, eager = _run(fp8_dir, cuda_graph=False)
+    _, eager = run(fp8_dir, cuda_graph=False)
     assert eager == want
-    _, sync = _run(fp8_dir, async_scheduling=False)
+    _, sync = run(fp8_dir, async_scheduling=False)
     assert sync == want
     alone = LLM(str(fp8_dir), max_concurrency=1, **FLAGS)
-    for prompt, p, (tokens, lps) in zip(_prompts(), PARAMS, want, strict=True):
+    for prompt, p, (tokens, lps) in zip(prompts(), PARAMS, want, strict=True):
         out = alone.generate([prompt], p)[0]
         assert (out.token_ids, [lp.logprob for lp in out.logprobs or []]) == (tokens, lps)
 
 
 def test_fp8_engine_with_ngram_speculation(fp8_dir):
-    _, want = _run(fp8_dir)
-    _, spec = _run(fp8_dir, speculative_method="ngram", speculative_tokens=3)
+    _, want = run(fp8_dir)
+    _, spec = run(fp8_dir, speculative_method="ngram", speculative_tokens=3)
     assert spec == want
 
 
@@ -78,8 +55,8 @@ def test_quantization_fp8_on_load(tmp_path):
     scales and the same E4M3 codes (ops/fp8.quantize divides by a tensor: see its NOTE)."""
     plain = make_model("small", tmp_path / "plain", overrides=OVERRIDES)  # float32 draws, as the FP8 one's
     fp8 = make_model("small", tmp_path / "fp8", overrides=OVERRIDES, quantization="fp8")
-    on_load, outs = _run(plain, quantization="fp8")
-    written, want = _run(fp8)
+    on_load, outs = run(plain, quantization="fp8")
+    written, want = run(fp8)
     a = dict(on_load.engine.model.named_parameters())
     for name, p in written.engine.model.named_parameters():
         assert (
@@ -94,7 +71,7 @@ def test_ple_table_in_host_memory_gives_the_device_bits(small_model_dir):
     want = None
     for table in ("device", "host"):
         for graph in (True, False):
-            llm, outs = _run(small_model_dir, ple_table=table, cuda_graph=graph)
+            llm, outs = run(small_model_dir, ple_table=table, cuda_graph=graph)
             w = llm.engine.model.layers["1"].ple.ple_embedding.ngram_embedding.weight
             assert w.is_cuda == (table == "device") and (table == "device" or w.is_pinned())
             if want is None:

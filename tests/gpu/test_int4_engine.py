@@ -5,24 +5,14 @@ dequantized on load (`--quantization none`: close, not equal, as for FP8)."""
 
 import pytest
 import torch
-from pool_check import assert_pool_full
+from engine_cases import FLAGS, OVERRIDES, PARAMS, prompts, run
 
-from nextserve import LLM, SamplingParams
+from nextserve import LLM
 from nextserve.model.make_model import make_model
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
-OVERRIDES = {"hidden_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
-FLAGS = dict(
-    device="cuda", dtype="bfloat16", prefill_chunk=32, page_size=16, kv_capacity=8192, max_context=1024
-)
-PARAMS = [
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=40, temperature=0.8, seed=4, ignore_eos=True),
 ]
 
 
@@ -34,40 +24,28 @@ def int4_dir(tmp_path_factory):
     )  # fmt: skip
 
 
-def _prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(8, 2000, (n,), generator=g).tolist() for n in (9, 70, 140)]
-
-
-def _run(model_dir, **flags):
-    llm = LLM(str(model_dir), max_concurrency=4, **(FLAGS | flags))
-    outs = llm.generate(_prompts(), PARAMS)
-    assert_pool_full(llm)
-    return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs]
-
-
 def test_int4_engine_modes_give_the_same_bits(int4_dir):
-    llm, want = _run(int4_dir)
+    llm, want = run(int4_dir)
     m = llm.engine.model
     assert m.layers["0"].mlp.experts.gate_up_proj.dtype == torch.int32
     assert m.layers["3"].self_attn.o_proj.weight.dtype == torch.int32
-    _, none = _run(int4_dir, quantization="none")
+    _, none = run(int4_dir, quantization="none")
     (tokens, lps), (none_tokens, none_lps) = want[0], none[0]
     same = next((i for i, (a, b) in enumerate(zip(tokens, none_tokens, strict=True)) if a != b), len(tokens))
     assert same >= 8, (tokens, none_tokens)
     assert max(abs(a - b) for a, b in zip(lps[:same], none_lps[:same], strict=True)) < 0.1
-    _, eager = _run(int4_dir, cuda_graph=False)
+    _, eager = run(int4_dir, cuda_graph=False)
     assert eager == want
-    _, sync = _run(int4_dir, async_scheduling=False)
+    _, sync = run(int4_dir, async_scheduling=False)
     assert sync == want
     alone = LLM(str(int4_dir), max_concurrency=1, **FLAGS)
-    for prompt, p, (tokens, lps) in zip(_prompts(), PARAMS, want, strict=True):
+    for prompt, p, (tokens, lps) in zip(prompts(), PARAMS, want, strict=True):
         out = alone.generate([prompt], p)[0]
         assert (out.token_ids, [lp.logprob for lp in out.logprobs or []]) == (tokens, lps)
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_int4_engine_with_speculation(int4_dir, method):
-    _, want = _run(int4_dir)
-    _, spec = _run(int4_dir, speculative_method=method, speculative_tokens=3)
+    _, want = run(int4_dir)
+    _, spec = run(int4_dir, speculative_method=method, speculative_tokens=3)
     assert spec == want
