@@ -33,7 +33,7 @@ class EngineConfig:
     page_size: int = 64
     max_pending: int = 256
     memory_headroom_mib: int = 2048
-    gpu_memory_gib: float | None = None  # act as if the GPU had this many GiB (engine/device_memory.py)
+    gpu_memory_gib: float | None = None  # act as if the GPU had this many GiB (runtime/device_memory.py)
     cpu_kv_budget_mib: int = 1024
     seed: int = 0
     prefix_cache: bool = True  # prefix reuse (--no-prefix-cache: off)

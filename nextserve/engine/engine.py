@@ -14,11 +14,11 @@ from ..cache.states import StateSlots
 from ..config import ConfigError, ModelConfig
 from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
+from ..runtime.device_memory import cap_device_memory
 from ..runtime.pipeline import PipelineRunner, build_stage
 from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
 from ..runtime.windows import plain_greedy
 from .detokenizer import Detokenizer
-from .device_memory import cap_device_memory
 from .outputs import RequestOutput
 from .penalties import TokenTally
 from .preemption import Swapper

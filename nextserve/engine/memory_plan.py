@@ -25,7 +25,7 @@ from ..model.loader import CheckpointReader, model_fp8_capable
 from ..model.params import QUANT_SUFFIXES
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import scale_shape
-from .device_memory import free_bytes
+from ..runtime.device_memory import free_bytes
 
 GiB = 2**30
 KINDS = ("experts", "dense", "embeddings", "PLE", "MTP")

@@ -20,12 +20,12 @@ from ..model.flash_next import FlashNext
 from ..model.loader import check_readable, load_module, meta_device
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
+from ..runtime.device_memory import free_bytes
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
-from .device_memory import free_bytes
 from .memory_plan import MemoryPlan, headroom_bytes, held_tensor_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 

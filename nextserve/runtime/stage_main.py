@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..cache.pinned_arena import PinnedArena
-from ..engine.device_memory import cap_device_memory
+from .device_memory import cap_device_memory
 from .mtp_runner import load_head_embedding, load_mtp
 from .pipeline import build_stage
 from .stage_channel import StageChannel

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nextserve.config import ConfigError
-from nextserve.engine import device_memory
 from nextserve.engine_config import EngineConfig
+from nextserve.runtime import device_memory
 
 GiB = 2**30
 
