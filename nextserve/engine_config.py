@@ -187,14 +187,11 @@ class EngineConfig:
         devices = self.pipeline_devices
         if devices is None:
             return
-        if isinstance(devices, list | tuple) and all(type(i) is int for i in devices):
-            devices = ",".join(map(str, devices))
-        parts = devices.split(",") if isinstance(devices, str) else None
-        if parts is None or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
+        indices = _comma_list(devices, int)
+        if indices is None or min(indices) < 0:
             raise ConfigError(
                 f"pipeline_devices must be comma-separated CUDA device indices such as 0,1, got {devices!r}"
             )
-        indices = [int(p) for p in parts]
         # NOTE: NCCL runs one rank per GPU; through host memory several stages may share a GPU (one GPU
         # then runs the stage processes, as tests/gpu/test_pipeline_cuda.py does on a single H200).
         if len(set(indices)) != len(indices) and self.stage_transport not in ("host", "shm"):
@@ -263,14 +260,11 @@ class EngineConfig:
             )
         if layers is None or layers == "auto":
             return
-        if isinstance(layers, list | tuple) and all(type(n) is int for n in layers):
-            layers = ",".join(map(str, layers))
-        parts = layers.split(",") if isinstance(layers, str) else None
-        if parts is None or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
+        counts = _comma_list(layers, int)
+        if counts is None:
             raise ConfigError(
                 f"stage_layers must be comma-separated layer counts such as 8,8,16, got {layers!r}"
             )
-        counts = [int(p) for p in parts]
         if min(counts) < 1:
             raise ConfigError(f"stage_layers gives a stage no layers: {layers!r} (every stage needs one)")
         if len(counts) != self.pipeline_stages:
@@ -284,12 +278,7 @@ class EngineConfig:
         caps = self.stage_memory_gib
         if caps is None:
             return
-        if isinstance(caps, list | tuple) and all(isinstance(c, int | float) for c in caps):
-            caps = ",".join(map(str, caps))
-        try:
-            values = [float(c) for c in caps.split(",")] if isinstance(caps, str) else None
-        except ValueError:
-            values = None
+        values = _comma_list(caps, float)
         if values is None or not all(0 < v < 1e6 for v in values):
             raise ConfigError(
                 f"stage_memory_gib must be comma-separated positive GiB such as 24,12, got {caps!r}"
@@ -340,6 +329,24 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def _comma_list(value, kind: type) -> list | None:
+    """A list flag's values of `kind` (int: non-negative integers; float: any number), given as "a,b,..."
+    or as a list of them; None when it is neither."""
+    if isinstance(value, list | tuple) and all(
+        type(v) is int or (kind is float and type(v) is float) for v in value
+    ):
+        return [kind(v) for v in value]
+    if not isinstance(value, str):
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if kind is int:
+        return [int(p) for p in parts] if all(p.isascii() and p.isdigit() for p in parts) else None
+    try:
+        return [float(p) for p in parts]
+    except ValueError:
+        return None
 
 
 def _check_shm(stages: int) -> None:

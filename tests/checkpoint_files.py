@@ -19,6 +19,16 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def w4a16_converted(name: str, t: torch.Tensor) -> bool:
+    """What the W4A16 recipes (llm-compressor's, GPTQ's) quantize here: the decoder's 2-D Linear weights but
+    the routers, gates, norms, embeddings, the n-gram table and the hyper-connection weights."""
+    if not name.endswith(".weight") or t.dim() != 2 or "norm" in name or "embed" in name:
+        return False
+    return not any(
+        s in name for s in ("lm_head", "mlp.gate.", "shared_expert_gate", "ngram", "hyper_connection")
+    )
+
+
 def write_checkpoint(
     out: Path, src: Path, tensors: dict[str, torch.Tensor], qc: dict | None, shards: int = 1
 ) -> Path:

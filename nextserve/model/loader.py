@@ -36,12 +36,19 @@ from nextserve.model.checkpoint import (
     text_prefix,
 )
 from nextserve.model.packed import UnpackedInt4
-from nextserve.model.params import INT4_SCALE, INT4_ZERO, SCALE, Projection, fp8_parameters, int4_parameters
+from nextserve.model.params import (
+    INT4_SCALE,
+    INT4_ZERO,
+    SCALE,
+    Projection,
+    empty_storage,
+    fp8_parameters,
+    int4_parameters,
+)
 from nextserve.model.quant import Fp8Checkpoint, Int4Checkpoint, default_fp8, read_quantization
 from nextserve.model.shapes import expected_shapes
 from nextserve.ops.fp8 import BLOCK, FP8, dequantize, quantize, scale_shape
 from nextserve.ops.int4 import quantize_int4
-from nextserve.ops.pinned import pinned_empty
 
 log = logging.getLogger("nextserve.loader")
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -410,7 +417,6 @@ def materialize(
     pinned host memory when device is a GPU; and its buffers recomputed (`init_buffers` of the modules
     that have them)."""
     int4 = int4 or {}
-    pinned = torch.device(device).type == "cuda"
     for mod_name, m in module.named_modules():
         for name, p in list(m.named_parameters(recurse=False)):
             full = f"{mod_name}.{name}" if mod_name else name
@@ -418,10 +424,8 @@ def materialize(
                 fp8_parameters(m, name, device, full in host)
             elif full in int4:
                 int4_parameters(m, name, device, *int4[full], host=full in host)
-            elif full in host and pinned:
-                t = pinned_empty(p.shape, dtype)
-                m._parameters[name] = nn.Parameter(t, False)
             else:
-                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
+                t = empty_storage(p.shape, dtype, device, full in host)
+                m._parameters[name] = nn.Parameter(t, False)
         if hasattr(m, "init_buffers"):
             m.init_buffers(device)

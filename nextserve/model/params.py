@@ -34,7 +34,7 @@ class Weight(nn.Module):
         return operand_of(self, "weight")
 
 
-def _empty(shape, dtype: torch.dtype, device: torch.device | str, host: bool) -> torch.Tensor:
+def empty_storage(shape, dtype: torch.dtype, device: torch.device | str, host: bool) -> torch.Tensor:
     """Uninitialised storage on device, or (host, a GPU device) page-locked host memory its kernels read."""
     if host and torch.device(device).type == "cuda":
         return pinned_empty(tuple(shape), dtype)
@@ -45,8 +45,8 @@ def fp8_parameters(module: nn.Module, name: str, device: torch.device | str, hos
     """Turn module's parameter `name` into an empty FP8 one on device (pinned host memory with `host`),
     with `{name}_scale_inv` beside it (a loader or a random fill fills both)."""
     p = getattr(module, name)
-    setattr(module, name, nn.Parameter(_empty(p.shape, FP8, device, host), requires_grad=False))
-    scale = _empty(scale_shape(tuple(p.shape)), torch.float32, device, host)
+    setattr(module, name, nn.Parameter(empty_storage(p.shape, FP8, device, host), requires_grad=False))
+    scale = empty_storage(scale_shape(tuple(p.shape)), torch.float32, device, host)
     module.register_parameter(name + SCALE, nn.Parameter(scale, requires_grad=False))
 
 
@@ -64,12 +64,12 @@ def int4_parameters(
     (ops/int4.py's form; a loader fills them)."""
     p = getattr(module, name)
     *lead, n, k = p.shape
-    packed = _empty((*lead, n, packed_width(k)), torch.int32, device, host)
+    packed = empty_storage((*lead, n, packed_width(k)), torch.int32, device, host)
     setattr(module, name, nn.Parameter(packed, requires_grad=False))
-    scale = _empty((*lead, n, k // group), scale_dtype, device, host)
+    scale = empty_storage((*lead, n, k // group), scale_dtype, device, host)
     module.register_parameter(name + INT4_SCALE, nn.Parameter(scale, requires_grad=False))
     if not symmetric:
-        zero = _empty(scale.shape, torch.int8, device, host)
+        zero = empty_storage(scale.shape, torch.int8, device, host)
         module.register_parameter(name + INT4_ZERO, nn.Parameter(zero, requires_grad=False))
 
 

@@ -29,3 +29,22 @@ def run(model_dir, **flags):
     outs = llm.generate(prompts(), PARAMS)
     assert_pool_full(llm)
     return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs]
+
+
+def assert_modes_give_the_same_bits(model_dir, want) -> None:
+    """A quantized checkpoint's engine (`want`: `run(model_dir)`'s outputs) against the checkpoint
+    dequantized on load (whose projections stack otherwise, so its GEMMs differ in order: close, not equal),
+    then eagerly, synchronously and one request at a time: the same bits (C1)."""
+    _, none = run(model_dir, quantization="none")
+    (tokens, lps), (none_tokens, none_lps) = want[0], none[0]
+    same = next((i for i, (a, b) in enumerate(zip(tokens, none_tokens, strict=True)) if a != b), len(tokens))
+    assert same >= 8, (tokens, none_tokens)
+    assert max(abs(a - b) for a, b in zip(lps[:same], none_lps[:same], strict=True)) < 0.1
+    _, eager = run(model_dir, cuda_graph=False)
+    assert eager == want
+    _, sync = run(model_dir, async_scheduling=False)
+    assert sync == want
+    alone = LLM(str(model_dir), max_concurrency=1, **FLAGS)
+    for prompt, p, (tokens, lps) in zip(prompts(), PARAMS, want, strict=True):
+        out = alone.generate([prompt], p)[0]
+        assert (out.token_ids, [lp.logprob for lp in out.logprobs or []]) == (tokens, lps)

@@ -6,7 +6,7 @@ table in pinned host memory gives the bits of the table on the device."""
 
 import pytest
 import torch
-from engine_cases import FLAGS, OVERRIDES, PARAMS, prompts, run
+from engine_cases import FLAGS, OVERRIDES, PARAMS, assert_modes_give_the_same_bits, run
 
 from nextserve import LLM
 from nextserve.model.make_model import make_model
@@ -29,19 +29,7 @@ def test_fp8_engine_modes_give_the_same_bits(fp8_dir):
     assert m.layers["0"].mlp.experts.gate_up_proj.dtype == FP8
     assert m.layers["3"].self_attn.o_proj.weight.dtype == FP8
     assert m.layers["0"].linear_attn.in_proj.q.dtype == FP8  # qkv|z|b|a: one padded FP8 stack
-    _, none = run(fp8_dir, quantization="none")
-    (tokens, lps), (none_tokens, none_lps) = want[0], none[0]
-    same = next((i for i, (a, b) in enumerate(zip(tokens, none_tokens, strict=True)) if a != b), len(tokens))
-    assert same >= 8, (tokens, none_tokens)
-    assert max(abs(a - b) for a, b in zip(lps[:same], none_lps[:same], strict=True)) < 0.1
-    _, eager = run(fp8_dir, cuda_graph=False)
-    assert eager == want
-    _, sync = run(fp8_dir, async_scheduling=False)
-    assert sync == want
-    alone = LLM(str(fp8_dir), max_concurrency=1, **FLAGS)
-    for prompt, p, (tokens, lps) in zip(prompts(), PARAMS, want, strict=True):
-        out = alone.generate([prompt], p)[0]
-        assert (out.token_ids, [lp.logprob for lp in out.logprobs or []]) == (tokens, lps)
+    assert_modes_give_the_same_bits(fp8_dir, want)
 
 
 def test_fp8_engine_with_ngram_speculation(fp8_dir):

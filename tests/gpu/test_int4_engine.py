@@ -5,9 +5,8 @@ dequantized on load (`--quantization none`: close, not equal, as for FP8)."""
 
 import pytest
 import torch
-from engine_cases import FLAGS, OVERRIDES, PARAMS, prompts, run
+from engine_cases import OVERRIDES, assert_modes_give_the_same_bits, run
 
-from nextserve import LLM
 from nextserve.model.make_model import make_model
 
 pytestmark = [
@@ -29,19 +28,7 @@ def test_int4_engine_modes_give_the_same_bits(int4_dir):
     m = llm.engine.model
     assert m.layers["0"].mlp.experts.gate_up_proj.dtype == torch.int32
     assert m.layers["3"].self_attn.o_proj.weight.dtype == torch.int32
-    _, none = run(int4_dir, quantization="none")
-    (tokens, lps), (none_tokens, none_lps) = want[0], none[0]
-    same = next((i for i, (a, b) in enumerate(zip(tokens, none_tokens, strict=True)) if a != b), len(tokens))
-    assert same >= 8, (tokens, none_tokens)
-    assert max(abs(a - b) for a, b in zip(lps[:same], none_lps[:same], strict=True)) < 0.1
-    _, eager = run(int4_dir, cuda_graph=False)
-    assert eager == want
-    _, sync = run(int4_dir, async_scheduling=False)
-    assert sync == want
-    alone = LLM(str(int4_dir), max_concurrency=1, **FLAGS)
-    for prompt, p, (tokens, lps) in zip(prompts(), PARAMS, want, strict=True):
-        out = alone.generate([prompt], p)[0]
-        assert (out.token_ids, [lp.logprob for lp in out.logprobs or []]) == (tokens, lps)
+    assert_modes_give_the_same_bits(int4_dir, want)
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])

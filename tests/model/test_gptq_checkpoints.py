@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_files import logit_error_against_transformers, read_tensors, write_checkpoint
+from checkpoint_files import logit_error_against_transformers, read_tensors, w4a16_converted, write_checkpoint
 from hf_oracle import TINY, save_hf_model
 
 from nextserve import LLM, SamplingParams
@@ -32,15 +32,6 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     return save_hf_model(TINY, 11, tmp_path_factory.mktemp("hf_gptq_src"))
-
-
-def _converted(name: str, t: torch.Tensor) -> bool:
-    """What a GPTQ recipe quantizes: the decoder's 2-D Linear weights but the routers and gates."""
-    if not name.endswith(".weight") or t.dim() != 2 or "norm" in name or "embed" in name:
-        return False
-    return not any(
-        s in name for s in ("lm_head", "mlp.gate.", "shared_expert_gate", "ngram", "hyper_connection")
-    )
 
 
 def _pack_columns_of_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -94,7 +85,7 @@ def _checkpoints(src: Path, root: Path, group: int, symmetric: bool, fmt: str = 
     """(a GPTQ checkpoint of src, the plain checkpoint of the library's dequantized weights)."""
     packed, deq = {}, {}
     for name, t in read_tensors(src).items():
-        if not _converted(name, t):
+        if not w4a16_converted(name, t):
             packed[name], deq[name] = t, t
             continue
         tensors = _gptq_tensors(t, group, symmetric, fmt)

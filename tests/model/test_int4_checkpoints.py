@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_files import logit_error_against_transformers, read_tensors, write_checkpoint
+from checkpoint_files import logit_error_against_transformers, read_tensors, w4a16_converted, write_checkpoint
 from hf_oracle import TINY, save_hf_model
 from safetensors.torch import save_file
 
@@ -44,15 +44,6 @@ def hf_dir(tmp_path_factory) -> Path:
     return save_hf_model(TINY, 7, tmp_path_factory.mktemp("hf_int4_src"))
 
 
-def _converted(name: str, t: torch.Tensor) -> bool:
-    """What llm-compressor's W4A16 recipe converts here: 2-D Linear weights the ignore list leaves."""
-    if not name.endswith(".weight") or t.dim() != 2 or "norm" in name or "embed" in name:
-        return False
-    return not any(
-        s in name for s in ("lm_head", "mlp.gate.", "shared_expert_gate", "ngram", "hyper_connection")
-    )
-
-
 def _library_weight(out: dict, args: QuantizationArgs, shape) -> torch.Tensor:
     """The library's dequantization of its packed tensors. (Its decompress unpacks the zero points of some
     shapes through a strided view, which fails; the same bits come from its unpacking of the transposed
@@ -75,7 +66,7 @@ def _checkpoints(src: Path, root: Path, symmetric: bool, strategy: str, group: i
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     packed, deq = {}, {}
     for name, t in read_tensors(src).items():
-        if not _converted(name, t):
+        if not w4a16_converted(name, t):
             packed[name], deq[name] = t, t
             continue
         w = t.to(torch.bfloat16)  # (16-bit scales, as checkpoints ship: q * s is exact in float32)

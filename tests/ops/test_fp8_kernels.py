@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_cases import check_quantized_experts
 from triton_interp import DEV, INTERPRET, needs_cuda, row_independent_dot, small  # noqa: F401
 
 from nextserve.ops.fp8 import Fp8Weight, quantize
-from nextserve.ops.moe import _experts_by_row, route
 
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -123,33 +123,10 @@ def test_fp8_gemv_epilogues(where, dtype):
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype):
-    from nextserve.ops.triton.moe_grouped import grouped_decode_experts, grouped_experts
-
     E, H, I, k = (6, 256, 128, 2) if INTERPRET else (64, 2560, 640, 10)
-    gu, dn = _fp8(E, 2 * I, H, seed=5), _fp8(E, H, I, seed=6)
-    sgu, sdn = _fp8(2 * I, H, seed=7), _fp8(H, I, seed=8)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(12, H, generator=g).to(device=DEV, dtype=dtype)
-    logits = torch.randn(12, E + 1, generator=g).to(device=DEV, dtype=dtype)
-    w, ids = route(logits, k, True, shared=True)
-    deq = [t.dequantize(dtype) for t in (gu, dn, sgu, sdn)]
-    got = grouped_decode_experts(x, w, ids, gu, dn, shared=(sgu, sdn))
-    twin = grouped_decode_experts(x, w, ids, deq[0], deq[1], shared=(deq[2], deq[3]))
-    _same_or_close(got, twin, dtype)
-    for m in (1, 5):  # row invariance; one row runs FP8_DEEP_STAGES, 5 and 12 rows STAGES: same bits
-        part = grouped_decode_experts(
-            x[:m].clone(), w[:m].clone(), ids[:m].clone(), gu, dn, shared=(sgu, sdn)
-        )
-        assert torch.equal(part, got[:m]), m
-    f64 = [t.dequantize(torch.float64) for t in (gu, dn, sgu, sdn)]
-    ref = _experts_by_row(x.double(), w.double(), ids, f64[0], f64[1], (f64[2], f64[3]))
-    assert _rel(got, ref) < TOL[dtype] * 4
-    w2, ids2 = route(logits[:, :E], k, True)
-    pre = grouped_experts(x, w2, ids2, gu, dn)
-    _same_or_close(pre, grouped_experts(x, w2, ids2, deq[0], deq[1]), dtype)
-    wide = grouped_experts(x, w, ids, gu, dn, block_m=128, shared=(sgu, sdn))  # 8 warps, the shared expert
-    _same_or_close(
-        wide, grouped_experts(x, w, ids, deq[0], deq[1], block_m=128, shared=(deq[2], deq[3])), dtype
+    experts = (_fp8(E, 2 * I, H, seed=5), _fp8(E, H, I, seed=6), _fp8(2 * I, H, seed=7), _fp8(H, I, seed=8))
+    check_quantized_experts(
+        experts, E, k, dtype, lambda got, twin: _same_or_close(got, twin, dtype), TOL[dtype]
     )
 
 

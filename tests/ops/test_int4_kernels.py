@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_cases import check_quantized_experts
 from triton_interp import DEV, INTERPRET, needs_cuda, small
 
 from nextserve.ops.int4 import Int4Weight, quantize_int4
-from nextserve.ops.moe import _experts_by_row, route
+from nextserve.ops.moe import route
 
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -90,32 +91,11 @@ def test_int4_gemv_configuration():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,zero", [(32, False), (128, True)])
 def test_int4_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype, group, zero):
-    from nextserve.ops.triton.moe_grouped import grouped_decode_experts, grouped_experts
-
     E, H, I, k = (6, 256, 128, 2) if INTERPRET else (64, 2560, 640, 10)
     q = dict(group=group, dtype=dtype, zero=zero)
-    gu, dn = _int4(E, 2 * I, H, seed=5, **q), _int4(E, H, I, seed=6, **q)
-    sgu, sdn = _int4(2 * I, H, seed=7, **q), _int4(H, I, seed=8, **q)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(12, H, generator=g).to(device=DEV, dtype=dtype)
-    logits = torch.randn(12, E + 1, generator=g).to(device=DEV, dtype=dtype)
-    w, ids = route(logits, k, True, shared=True)
-    deq = [t.dequantize(dtype) for t in (gu, dn, sgu, sdn)]
-    got = grouped_decode_experts(x, w, ids, gu, dn, shared=(sgu, sdn))
-    _close(got, grouped_decode_experts(x, w, ids, deq[0], deq[1], shared=(deq[2], deq[3])), dtype)
-    for m in (1, 5):  # row invariance; one row runs the deep pipeline, 5 and 12 rows STAGES: same bits
-        part = grouped_decode_experts(
-            x[:m].clone(), w[:m].clone(), ids[:m].clone(), gu, dn, shared=(sgu, sdn)
-        )
-        assert torch.equal(part, got[:m]), m
-    f64 = [t.dequantize(torch.float64) for t in (gu, dn, sgu, sdn)]
-    ref = _experts_by_row(x.double(), w.double(), ids, f64[0], f64[1], (f64[2], f64[3]))
-    assert _rel(got, ref) < TOL[dtype] * 4
-    w2, ids2 = route(logits[:, :E], k, True)
-    pre = grouped_experts(x, w2, ids2, gu, dn)
-    _close(pre, grouped_experts(x, w2, ids2, deq[0], deq[1]), dtype)
-    wide = grouped_experts(x, w, ids, gu, dn, block_m=128, shared=(sgu, sdn))  # 8 warps, the shared expert
-    _close(wide, grouped_experts(x, w, ids, deq[0], deq[1], block_m=128, shared=(deq[2], deq[3])), dtype)
+    experts = (_int4(E, 2 * I, H, seed=5, **q), _int4(E, H, I, seed=6, **q), _int4(2 * I, H, seed=7, **q),
+               _int4(H, I, seed=8, **q))  # fmt: skip
+    check_quantized_experts(experts, E, k, dtype, lambda got, twin: _close(got, twin, dtype), TOL[dtype])
 
 
 @small

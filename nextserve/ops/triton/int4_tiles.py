@@ -18,8 +18,6 @@ import triton.language as tl
 
 from ..int4 import Int4Weight
 
-PER_WORD = 8  # 4-bit values in one int32 word
-
 
 @triton.jit
 def unpack_words(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -384,6 +384,14 @@ def _fp8_args(w, shared_w, name: str, shared_name: str, block_k: int, split_rows
     return w.q.contiguous(), shared_w.q, keys
 
 
+def _stage_bytes_a_weight(w, x: torch.Tensor) -> float:
+    """Shared memory a pipeline stage holds per weight of a tile: FP8 a byte; int4 half a byte, and each of
+    its eight dots a slab converted to x's dtype; 16-bit weights their own size."""
+    if isinstance(w, Int4Weight):
+        return 0.5 + x.element_size() / 4
+    return 1 if isinstance(w, Fp8Weight) else w.element_size()
+
+
 def _int4_args(w, shared_w, name: str, shared_name: str, zero: str, shared_zero: str):
     """(routed words, shared words, kernel keywords) of int4 expert weights (ops/int4.py): the words, and
     the scale and zero-point pointers with the scales' strides (zero points have the scales' shape).
@@ -499,9 +507,7 @@ def _grouped(
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
-    # NOTE: an int4 stage holds half a byte a weight, and each of its eight dots a slab converted to x's dtype
-    w_bytes = 0.5 + x.element_size() / 4 if isinstance(gate_up, Int4Weight) else None
-    w_bytes = w_bytes or (1 if isinstance(gate_up, Fp8Weight) else None)
+    w_bytes = _stage_bytes_a_weight(gate_up, x)
     if isinstance(gate_up, Int4Weight):
         check_block_k(block_k), check_block_k(block_k_down)
         gate_up, sgu, gu_fp8 = _int4_args(gate_up, sgu, "gus", "sgus", "guz", "sguz")
@@ -509,7 +515,6 @@ def _grouped(
     else:
         gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
         down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
-    w_bytes = w_bytes or gate_up.element_size()  # a weight's bytes (int4: half a byte)
     a_bytes = block_m * x.element_size()  # an A tile's bytes per K column
     gu_stage = int(block_k * (a_bytes + 2 * block_n * w_bytes))
     down_stage = int(block_k_down * (a_bytes + block_n_down * w_bytes))
