@@ -23,12 +23,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def check_quantized_experts(experts, E: int, k: int, dtype: torch.dtype, close, tol: float) -> None:
+def check_quantized_experts(experts, E: int, k: int, dtype: torch.dtype, close, tol: float, **kw) -> None:
     """The grouped expert kernels on quantized weights `experts` = (gate_up [E, 2I, H], down [E, H, I], and
     the shared expert's pair; each with `.dequantize(dtype)`): decode with the shared expert, prefill, and
     the wide prefill blocks each `close(got, twin)` to the same kernels on the dequantized weights; decode
     rows invariant (torch.equal) at 1 and 5 rows; decode within 4 * tol of float64 on the dequantized
-    weights."""
+    weights. `kw`: more arguments of the kernels on the quantized weights (int4_slabs)."""
     from nextserve.ops.moe import _experts_by_row, route
     from nextserve.ops.triton.moe_grouped import grouped_decode_experts, grouped_experts
 
@@ -39,17 +39,18 @@ def check_quantized_experts(experts, E: int, k: int, dtype: torch.dtype, close, 
     logits = torch.randn(12, E + 1, generator=g).to(device=DEV, dtype=dtype)
     w, ids = route(logits, k, True, shared=True)
     deq = [t.dequantize(dtype) for t in experts]
-    got = grouped_decode_experts(x, w, ids, gu, dn, shared=(sgu, sdn))
+    got = grouped_decode_experts(x, w, ids, gu, dn, shared=(sgu, sdn), **kw)
     close(got, grouped_decode_experts(x, w, ids, deq[0], deq[1], shared=(deq[2], deq[3])))
     for m in (1, 5):  # one row runs the deep pipeline, 5 and 12 rows STAGES: the same bits
         part = grouped_decode_experts(
-            x[:m].clone(), w[:m].clone(), ids[:m].clone(), gu, dn, shared=(sgu, sdn)
+            x[:m].clone(), w[:m].clone(), ids[:m].clone(), gu, dn, shared=(sgu, sdn), **kw
         )
         assert torch.equal(part, got[:m]), m
     f64 = [t.dequantize(torch.float64) for t in experts]
     ref = _experts_by_row(x.double(), w.double(), ids, f64[0], f64[1], (f64[2], f64[3]))
     assert rel_err(got, ref) < tol * 4
     w2, ids2 = route(logits[:, :E], k, True)
-    close(grouped_experts(x, w2, ids2, gu, dn), grouped_experts(x, w2, ids2, deq[0], deq[1]))
-    wide = grouped_experts(x, w, ids, gu, dn, block_m=128, shared=(sgu, sdn))  # 8 warps, the shared expert
+    close(grouped_experts(x, w2, ids2, gu, dn, **kw), grouped_experts(x, w2, ids2, deq[0], deq[1]))
+    # 8 warps, the shared expert
+    wide = grouped_experts(x, w, ids, gu, dn, block_m=128, shared=(sgu, sdn), **kw)
     close(wide, grouped_experts(x, w, ids, deq[0], deq[1], block_m=128, shared=(deq[2], deq[3])))

@@ -1,10 +1,11 @@
 """The int4 (W4A16) kernels against their bf16 and FP8 twins at the released widths, side by side in one run:
-the small-M GEMV on the decode projections, and the grouped decode experts (E = 512, H = 2560, I = 640,
-k = 10) at 1, 8 and 32 rows. Cold weights (an L2 flush between calls: small_m_gemm's Timer), CUDA graphs,
-median of trials; each with its bytes a call over the time, and its error against float64 on the same
-dequantized weights.
+the small-M GEMV on the decode projections, the grouped decode experts (E = 512, H = 2560, I = 640, k = 10)
+at 1, 8 and 32 rows, and the grouped prefill experts at 1,024 and 4,096 tokens. int4 runs in both forms of
+int4_tiles.int4_dot: `int4` is the kernel's default form, `int4_slabs` / `int4_korder` the other one.
+Cold weights (an L2 flush between calls: small_m_gemm's Timer), CUDA graphs, median of trials; each with
+its bytes a call over the time, and the GEMV's error against float64 on the same dequantized weights.
 
-    python benchmarks/bench_kernels.py int4 --m 1 8 32
+    python benchmarks/bench_kernels.py int4 --m 1 8 32 --tokens 1024 4096
 
 Prints one JSON object (revision, hardware, command, rows).
 """
@@ -23,7 +24,8 @@ from nextserve.ops.fp8 import Fp8Weight, quantize
 from nextserve.ops.int4 import quantize_int4
 from nextserve.ops.moe import route
 from nextserve.ops.triton.gemv import small_m_linear
-from nextserve.ops.triton.moe_grouped import grouped_decode_experts
+from nextserve.ops.triton.gemv_config import INT4_SLABS
+from nextserve.ops.triton.moe_grouped import PREFILL_INT4_SLABS, grouped_decode_experts, grouped_experts
 
 GEMV_SHAPES = [  # (what, N, K): the projections the int4 and FP8 builds quantize
     ("GDN in_proj qkv|z|b|a", 16480, 2560),
@@ -35,7 +37,12 @@ GROUP = 128
 
 
 def _bytes(fmt: str, values: int) -> int:
-    return {"bf16": 2 * values, "fp8": values, "int4": values // 2 + 2 * values // GROUP}[fmt]
+    return {"bf16": 2 * values, "fp8": values}.get(fmt, values // 2 + 2 * values // GROUP)
+
+
+def _other(default_slabs: bool) -> str:
+    """The name of int4's other form, beside a kernel whose default form is `default_slabs`."""
+    return "int4_korder" if default_slabs else "int4_slabs"
 
 
 def _weights(w16: torch.Tensor) -> dict:
@@ -43,9 +50,14 @@ def _weights(w16: torch.Tensor) -> dict:
     return {"bf16": w16, "fp8": Fp8Weight(q, s), "int4": quantize_int4(w16, GROUP)}
 
 
+def _say(what: str, row: dict, runs: dict) -> None:
+    print(f"# {what}: " + ", ".join(f"{f} {row[f + '_us']}" for f in runs), file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32], help="row counts")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096], help="prefill chunk tokens")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -58,16 +70,18 @@ def main() -> None:
         for M in args.m:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             row = {"kernel": "gemv", "shape": what, "N": N, "K": K, "M": M}
-            for fmt, w in ws.items():
-                us = timer.cold_us(lambda x=x, w=w: small_m_linear(x, w))
+            runs = {f: (w, {}) for f, w in ws.items()}
+            runs[_other(INT4_SLABS)] = (ws["int4"], {"int4_slabs": not INT4_SLABS})
+            for fmt, (w, kw) in runs.items():
+                us = timer.cold_us(lambda x=x, w=w, kw=kw: small_m_linear(x, w, **kw))
                 ref = torch.nn.functional.linear(
                     x.double(), w.double() if fmt == "bf16" else w.dequantize(torch.float64)
                 )
-                err = ((small_m_linear(x, w).double() - ref).norm() / ref.norm()).item()
+                err = ((small_m_linear(x, w, **kw).double() - ref).norm() / ref.norm()).item()
                 row |= {f"{fmt}_us": round(us, 2), f"{fmt}_GBps": _gbps(_bytes(fmt, N * K), us),
                         f"{fmt}_rel_err": float(f"{err:.3g}")}  # fmt: skip
             rows.append(row)
-            print(f"# gemv {N}x{K} M={M}: " + ", ".join(f"{f} {row[f + '_us']}" for f in ws), file=sys.stderr)
+            _say(f"gemv {N}x{K} M={M}", row, runs)
         del ws
     gu = _weights((torch.randn(E, 2 * I, H, device=dev) / H**0.5).to(torch.bfloat16))
     dn = _weights((torch.randn(E, H, I, device=dev) / I**0.5).to(torch.bfloat16))
@@ -77,11 +91,28 @@ def main() -> None:
         w, ids = route(torch.randn(M, E, device=dev, dtype=torch.bfloat16), TOP_K, True)
         touched = ids.unique().numel()
         row = {"kernel": "grouped_decode_experts", "E": E, "H": H, "I": I, "M": M, "experts_touched": touched}
-        for fmt in gu:
-            us = timer.cold_us(lambda x=x, w=w, i=ids, f=fmt: grouped_decode_experts(x, w, i, gu[f], dn[f]))
+        runs = {f: (f, {}) for f in gu} | {_other(True): ("int4", {"int4_slabs": False})}
+        for fmt, (f, kw) in runs.items():
+            us = timer.cold_us(
+                lambda x=x, w=w, i=ids, f=f, kw=kw: grouped_decode_experts(x, w, i, gu[f], dn[f], **kw)
+            )
             row |= {f"{fmt}_us": round(us, 2), f"{fmt}_GBps": _gbps(_bytes(fmt, touched * 3 * H * I), us)}
         rows.append(row)
-        print(f"# experts M={M}: " + ", ".join(f"{f} {row[f + '_us']}" for f in gu), file=sys.stderr)
+        _say(f"experts M={M}", row, runs)
+    for T in args.tokens:
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        w, ids = route(torch.randn(T, E, device=dev, dtype=torch.bfloat16), TOP_K, True)
+        touched = ids.unique().numel()
+        row = {"kernel": "grouped_experts", "E": E, "H": H, "I": I, "T": T, "experts_touched": touched}
+        other = {"int4_slabs": not PREFILL_INT4_SLABS}
+        runs = {f: (f, {}) for f in gu} | {_other(PREFILL_INT4_SLABS): ("int4", other)}
+        for fmt, (f, kw) in runs.items():
+            us = timer.cold_us(
+                lambda x=x, w=w, i=ids, f=f, kw=kw: grouped_experts(x, w, i, gu[f], dn[f], **kw)
+            )
+            row |= {f"{fmt}_us": round(us, 2), f"{fmt}_tok_per_s": round(T / us * 1e6)}
+        rows.append(row)
+        _say(f"prefill experts T={T}", row, runs)
     for r in rows:
         r["int4_vs_fp8"] = round(r["fp8_us"] / r["int4_us"], 3) if r["int4_us"] else None
         r["int4_vs_bf16"] = round(r["bf16_us"] / r["int4_us"], 3) if r["int4_us"] else None

@@ -1,12 +1,14 @@
-"""The int4 (W4A16) paths of the Triton kernels (ops/triton/int4_tiles.py: words read in registers, eight
-dots a tile, a tile inside one group scaled once per column): the GEMV (plain, K-split) and the grouped
+"""The int4 (W4A16) paths of the Triton kernels (ops/triton/int4_tiles.py: words read in registers, in
+either form of int4_dot: eight slab dots a tile, a tile inside one group scaled once per column, or each
+tile dequantized in K order into one dot): the GEMV (plain, K-split) and the grouped
 experts (decode and prefill, the shared expert too) are close to their 16-bit twins on the dequantized
 weights and to float64, and keep rows invariant (torch.equal); the one-pass dequantization of prefill
 chunks gives the reference's bits — for groups of 32, 64 and 128, per-channel scales, zero points, and K
 that is not a multiple of the tile.
 
-# NOTE: not the twins' bits: the int4 kernels add a tile's K columns in another order (value i of every
-# word, i = 0..7) and, inside one group, scale a sum rather than each weight (int4_tiles.int4_dot)."""
+# NOTE: not the twins' bits: the slab form adds a tile's K columns in another order (value i of every
+# word, i = 0..7) and, inside one group, scales a sum rather than each weight (int4_tiles.int4_dot); the
+# K-order form feeds the twins' values, but from registers (int4_tiles.py's NOTE)."""
 
 from __future__ import annotations
 
@@ -53,23 +55,26 @@ if not INTERPRET:
 
 @small
 @pytest.mark.parametrize("where", HERE)
+@pytest.mark.parametrize("slabs", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K,group,splits,zero", GEMV)
-def test_int4_gemv_is_the_16_bit_kernel_on_dequantized_weights(where, dtype, N, K, group, splits, zero):
+def test_int4_gemv_is_the_16_bit_kernel_on_dequantized_weights(
+    where, slabs, dtype, N, K, group, splits, zero
+):
     from nextserve.ops.triton.gemv import small_m_linear
     from nextserve.ops.triton.gemv_config import gemv_config
 
     w = _int4(N, K, seed=N + K, group=group, dtype=dtype, zero=zero)
     x = torch.randn(20, K, generator=torch.Generator().manual_seed(1)).to(device=DEV, dtype=dtype)
-    got = small_m_linear(x, w, splits=splits)
+    got = small_m_linear(x, w, splits=splits, int4_slabs=slabs)
     cfg = gemv_config(N, K, dtype, int4=True)
     twin = small_m_linear(x, w.dequantize(dtype), cfg.block_n, cfg.block_k, splits=splits or cfg.splits)
     _close(got, twin, dtype)
     assert _rel(got, torch.nn.functional.linear(x.double(), w.dequantize(torch.float64))) < TOL[dtype]
     for m in (1, 3, 17):  # row invariance
-        assert torch.equal(small_m_linear(x[:m].clone(), w, splits=splits), got[:m]), m
+        assert torch.equal(small_m_linear(x[:m].clone(), w, splits=splits, int4_slabs=slabs), got[:m]), m
     for i in (0, 7, 19) if not INTERPRET else ():  # a row alone (triton_interp.py on the interpreter's dot)
-        assert torch.equal(small_m_linear(x[i : i + 1], w, splits=splits)[0], got[i])
+        assert torch.equal(small_m_linear(x[i : i + 1], w, splits=splits, int4_slabs=slabs)[0], got[i])
 
 
 def test_int4_gemv_configuration():
@@ -89,13 +94,15 @@ def test_int4_gemv_configuration():
 @small
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slabs", [False, True])
 @pytest.mark.parametrize("group,zero", [(32, False), (128, True)])
-def test_int4_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype, group, zero):
+def test_int4_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype, slabs, group, zero):
     E, H, I, k = (6, 256, 128, 2) if INTERPRET else (64, 2560, 640, 10)
     q = dict(group=group, dtype=dtype, zero=zero)
     experts = (_int4(E, 2 * I, H, seed=5, **q), _int4(E, H, I, seed=6, **q), _int4(2 * I, H, seed=7, **q),
                _int4(H, I, seed=8, **q))  # fmt: skip
-    check_quantized_experts(experts, E, k, dtype, lambda got, twin: _close(got, twin, dtype), TOL[dtype])
+    close = lambda got, twin: _close(got, twin, dtype)  # noqa: E731
+    check_quantized_experts(experts, E, k, dtype, close, TOL[dtype], int4_slabs=slabs)
 
 
 @small

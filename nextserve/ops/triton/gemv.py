@@ -50,8 +50,8 @@ from .common import (
     tile_counters,
     unit_stride,
 )
-from .gemv_config import FP8_BLOCK_K, gemv_config, k_splits, preload_tiles
-from .int4_tiles import int4_dot, int4_launch_args
+from .gemv_config import FP8_BLOCK_K, INT4_SLABS, gemv_config, k_splits, preload_tiles
+from .int4_tiles import check_block_k, int4_dot, int4_launch_args
 
 BLOCK_M = 16
 REDUCE_BLOCK = 256
@@ -68,6 +68,7 @@ def _small_m_gemm(
     W_FP8: tl.constexpr = False, s_ptr=None, stride_sn=0, K_BLOCKS=1, POST_SCALE: tl.constexpr = False,
     FAST_FP8: tl.constexpr = False,
     W_INT4: tl.constexpr = False, z_ptr=None, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
+    INT4_SLABS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block x N tile, split): x[rows, k range] @ W[cols, k range]^T, the k range being
     [split * K_SPLIT, min(K, (split + 1) * K_SPLIT)) in BLOCK_K tiles, in order. SPLIT: store the float32
@@ -80,7 +81,7 @@ def _small_m_gemm(
     POST_SCALE (BLOCK_K = 128, tiles on scale blocks) the tile's codes enter the dot as they are (exact in
     x's dtype) and its float32 partial is scaled per column before it is added (`_dot_tile`). W_INT4: W is
     int4 words [N, cdiv(K, 8)] with group scales s [N, K / GROUP] (zero points z, HAS_ZERO), read a tile
-    of BLOCK_K // 8 word rows at a time (int4_tiles.int4_dot; no PRELOAD)."""
+    of BLOCK_K // 8 word rows at a time (int4_tiles.int4_dot, INT4_SLABS its form; no PRELOAD)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blocks = tl.cdiv(M, BLOCK_M)
@@ -164,12 +165,12 @@ def _small_m_gemm(
             if IEEE:
                 acc = int4_dot(
                     acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty, GROUP, BLOCK_K,
-                    HAS_ZERO, "ieee",
+                    HAS_ZERO, "ieee", INT4_SLABS,
                 )  # fmt: skip
             else:
                 acc = int4_dot(
                     acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty, GROUP, BLOCK_K,
-                    HAS_ZERO, "tf32",
+                    HAS_ZERO, "tf32", INT4_SLABS,
                 )  # fmt: skip
             w_ptrs += BLOCK_K // 8
             word_k += BLOCK_K
@@ -317,6 +318,7 @@ def small_m_linear(
     silu_scale: float = 1.0,
     preload: bool | None = None,
     post_scale: bool = True,
+    int4_slabs: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] (CUDA, any M), row-invariant, free of host reads (CUDA-graph
     capturable); accumulates in float32. The configuration is `gemv_config(N, K, dtype, fp8)` unless
@@ -329,7 +331,8 @@ def small_m_linear(
     `preload=False` loads no weight tile before the PDL wait (the same bits; for the benchmark).
     `post_scale=False` runs an FP8 weight as a dequantized tile in the 16-bit configuration instead (the
     path before POST_SCALE, kept for the benchmark's side by side). An int4 weight (ops/int4.py) runs its own
-    configuration (`gemv_config(..., int4=True)`), each tile dequantized in registers."""
+    configuration (`gemv_config(..., int4=True)`), each tile dequantized in registers; `int4_slabs` picks
+    int4_tiles.int4_dot's form (None: gemv_config.INT4_SLABS; either is row-invariant; for the benchmark)."""
     x = unit_stride(x)  # a column slice (the mixer's activation next to the inject logits) read in place
     M, K = x.shape
     N = weight.shape[0]
@@ -345,7 +348,9 @@ def small_m_linear(
     warps, stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     assert not fp8 or bk <= 256, "an FP8 tile spans at most two 128-column scale blocks"
     assert not fp8.get("POST_SCALE") or bk == FP8_BLOCK_K, "a post-scaled FP8 tile is one scale block"
-    assert not fp8.get("W_INT4") or bk % 128 == 0, "an int4 tile is a multiple of 128 columns (int4_dot)"
+    if fp8.get("W_INT4"):
+        fp8["INT4_SLABS"] = fp8["INT4_SLABS"] if int4_slabs is None else int4_slabs
+        check_block_k(bk, fp8["INT4_SLABS"])
     pre = preload_tiles(tiles) if preload is not False and not fp8.get("W_INT4") else 0
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -425,7 +430,8 @@ def _weight_args(
     # configuration), for the benchmark."""
     if isinstance(weight, Int4Weight):
         packed, scale, zero, keys = int4_launch_args(weight)
-        return packed, dict(W_INT4=True, s_ptr=scale, stride_sn=scale.stride(0), z_ptr=zero) | keys
+        keys |= dict(W_INT4=True, s_ptr=scale, stride_sn=scale.stride(0), z_ptr=zero, INT4_SLABS=INT4_SLABS)
+        return packed, keys
     if not isinstance(weight, Fp8Weight):
         return weight.contiguous(), {}
     q, scale = weight.q.contiguous(), weight.scale.contiguous()

@@ -34,14 +34,26 @@ def int4_tile(
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile of K columns k0 + rk (k0 a multiple of BLOCK_K), in ty, from the
-    words at w_ptrs [BLOCK_K // 8, BLOCK_N] (w_mask: which to load, None for all) and each column's row
-    of group scales s_rows [BLOCK_N] (zero points z_rows with HAS_ZERO). A tile inside one group (GROUP a
-    multiple of BLOCK_K) loads one scale a column; otherwise each value's group scale is gathered (columns
-    past k_hi and masked-off columns get scale 0). The module NOTE gives the roundings."""
+    words at w_ptrs [BLOCK_K // 8, BLOCK_N] (w_mask: which to load, None for all): `dequantize_words`."""
     if w_mask is None:
         words = tl.load(w_ptrs)
     else:
         words = tl.load(w_ptrs, mask=w_mask, other=0)
+    return dequantize_words(
+        words, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
+    )
+
+
+@triton.jit
+def dequantize_words(
+    words, s_rows, z_rows, k0, rk, k_hi, col_ok, ty: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_K, BLOCK_N] weight tile, in K order and ty, of words [BLOCK_K // 8, BLOCK_N] (K columns
+    k0 + rk) and each column's row of group scales s_rows [BLOCK_N] (zero points z_rows with HAS_ZERO). A
+    tile inside one group (GROUP a multiple of BLOCK_K) loads one scale a column; otherwise each value's
+    group scale is gathered (columns past k_hi and masked-off columns get scale 0). The module NOTE gives
+    the roundings."""
     q = unpack_words(words, BLOCK_K, BLOCK_N)
     if GROUP % BLOCK_K == 0:
         g = k0 // GROUP
@@ -71,18 +83,30 @@ def _values(words, i: tl.constexpr):
 def int4_dot(
     acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+    SLABS: tl.constexpr = True,
 ):  # fmt: skip
     """acc + x[rows, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols] from the tile's words [BLOCK_K // 8,
-    BLOCK_N] (k0 a multiple of BLOCK_K, BLOCK_K >= 128: a dot's K is at least 16), x's rows at x_rows
-    [BLOCK_M, 1] (mask_m [BLOCK_M, 1]), K columns past k_hi zeros.
+    BLOCK_N] (k0 a multiple of BLOCK_K), x's rows at x_rows [BLOCK_M, 1] (mask_m [BLOCK_M, 1]), K columns
+    past k_hi zeros. SLABS: eight dots over the words' value slabs (BLOCK_K a multiple of 128: a dot's K
+    is at least 16); else the tile dequantized in K order (`dequantize_words`) and one dot.
 
-    # NOTE: eight dots of BLOCK_K // 8 columns each, in the fixed order i = 0..7: value i of every word
-    # (K columns k0 + 8j + i) against x's matching columns, so the words are never reshuffled into K order
-    # in registers (a reshape of [BLOCK_K // 8, 8, BLOCK_N] is a layout conversion through shared memory).
-    # A tile inside one group (GROUP a multiple of BLOCK_K) feeds the codes themselves (q - zero, integers
-    # of at most 5 bits: exact in any 16-bit float) and scales the tile's float32 sum once per column, as
-    # block-FP8 GEMMs do; otherwise each value is dequantized first (ops/int4.py's roundings). Either way a
-    # function of (GROUP, BLOCK_K) alone: rows stay invariant."""
+    # NOTE: SLABS: eight dots of BLOCK_K // 8 columns each, in the fixed order i = 0..7: value i of every
+    # word (K columns k0 + 8j + i) against x's matching columns, so the words are never reshuffled into K
+    # order in registers (a reshape of [BLOCK_K // 8, 8, BLOCK_N] is a layout conversion through shared
+    # memory). A tile inside one group (GROUP a multiple of BLOCK_K) feeds the codes themselves (q - zero,
+    # integers of at most 5 bits: exact in any 16-bit float) and scales the tile's float32 sum once per
+    # column, as block-FP8 GEMMs do; otherwise each value is dequantized first (ops/int4.py's roundings).
+    # Which form a kernel runs is a launch constant, never a function of M: rows stay invariant either way.
+    # Speed differs by kernel (gemv_config.INT4_SLABS, moe_grouped's NOTE; BENCHMARKS.md, W4A16)."""
+    BLOCK_N: tl.constexpr = acc.shape[1]
+    if not SLABS:
+        rk = tl.arange(0, BLOCK_K)
+        kk = k0 + rk
+        w = dequantize_words(
+            words, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
+        )
+        x = tl.load(x_rows + kk[None, :], mask=mask_m & (kk[None, :] < k_hi), other=0.0)
+        return tl.dot(x, w, acc, input_precision=PRECISION)
     rkw = tl.arange(0, BLOCK_K // 8) * 8
     ONE: tl.constexpr = GROUP % BLOCK_K == 0
     part = tl.zeros(acc.shape, dtype=tl.float32)
@@ -121,7 +145,7 @@ def int4_launch_args(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return packed, scale, zero, {"GROUP": w.group, "HAS_ZERO": w.zero is not None}
 
 
-def check_block_k(block_k: int) -> None:
-    """A K tile of int4 weights (`int4_dot`) is a multiple of 128 columns: each of its eight dots then has a
-    K of at least 16."""
-    assert block_k % 128 == 0, block_k
+def check_block_k(block_k: int, slabs: bool) -> None:
+    """A K tile of int4 weights (`int4_dot`) is whole words and a dot's K is at least 16: with `slabs` a
+    multiple of 128 columns (each of its eight dots 16 or more), else 16 or more."""
+    assert block_k % (128 if slabs else 16) == 0, (block_k, slabs)

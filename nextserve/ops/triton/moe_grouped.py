@@ -94,6 +94,12 @@ FP8_DEEP_ROWS = 1
 # off the SMs; at 5 its eager time at one row fell from 0.100 to 0.084 ms over 8 layers (BENCHMARKS.md,
 # Decode).
 TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may hold
+# NOTE: int4 weights: decode runs int4_tiles.int4_dot's eight slab dots (the codes into the MMA, a tile's
+# sum scaled once per column), which at 8 and 32 rows took 169.7 and 490.0 us a layer's experts against
+# 240.3 and 717.8 with each tile dequantized in K order (H100, BENCHMARKS.md, W4A16). Prefill chunks (wide
+# blocks of up to 128 rows) dequantize each tile in K order into one dot of K tiles of 64: the 48-layer
+# build prefilled 8K tokens at 16,254 tok/s that way and at 6,894 with the slabs (same card and bench).
+PREFILL_INT4_SLABS = False
 
 
 def _fit(stages: int, stage_bytes: int, k_tiles: int) -> int:
@@ -126,6 +132,7 @@ def _int4_gate_up(
     acc_g, acc_u, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, H, I, stride_n,
     s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e, stride_s_r, ty: tl.constexpr, GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SLABS: tl.constexpr,
 ):  # fmt: skip
     """`_gate_up`'s K loop over int4 words (base: the expert's words; the shared expert's scales and zero
     points at ss_ptr, sz_ptr): a tile of BLOCK_K // 8 word rows of the gate and up rows at a time."""
@@ -145,11 +152,11 @@ def _int4_gate_up(
         wu = tl.load(u_ptrs, mask=wm, other=0)
         acc_g = int4_dot(
             acc_g, a_rows, mask_m[:, None], wg, gs_rows, gz_rows, mask_n, k0, H, ty, GROUP, BLOCK_K, HAS_ZERO,
-            PRECISION,
+            PRECISION, SLABS,
         )  # fmt: skip
         acc_u = int4_dot(
             acc_u, a_rows, mask_m[:, None], wu, us_rows, uz_rows, mask_n, k0, H, ty, GROUP, BLOCK_K, HAS_ZERO,
-            PRECISION,
+            PRECISION, SLABS,
         )  # fmt: skip
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
@@ -160,7 +167,7 @@ def _int4_gate_up(
 def _int4_down(
     acc, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, I, stride_n,
     s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e, stride_s_r, ty: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SLABS: tl.constexpr,
 ):  # fmt: skip
     """`_down`'s K loop over int4 words, as `_int4_gate_up`."""
     rkw = tl.arange(0, BLOCK_K // 8)
@@ -170,21 +177,9 @@ def _int4_down(
     for k0 in range(0, I, BLOCK_K):
         wd = tl.load(d_ptrs, mask=mask_n[None, :] & ((k0 + rkw * 8) < I)[:, None], other=0)
         acc = int4_dot(
-            acc,
-            a_rows,
-            mask_m[:, None],
-            wd,
-            s_rows,
-            z_rows,
-            mask_n,
-            k0,
-            I,
-            ty,
-            GROUP,
-            BLOCK_K,
-            HAS_ZERO,
-            PRECISION,
-        )
+            acc, a_rows, mask_m[:, None], wd, s_rows, z_rows, mask_n, k0, I, ty, GROUP, BLOCK_K, HAS_ZERO,
+            PRECISION, SLABS,
+        )  # fmt: skip
         d_ptrs += BLOCK_K // 8
     return acc
 
@@ -199,7 +194,7 @@ def _gate_up(
     W_FP8: tl.constexpr = False, gus_ptr=None, sgus_ptr=None, stride_gus_e=0, stride_gus_r=0,
     N_FAST: tl.constexpr = False,
     W_INT4: tl.constexpr = False, guz_ptr=None, sguz_ptr=None, GROUP: tl.constexpr = 1,
-    HAS_ZERO: tl.constexpr = False,
+    HAS_ZERO: tl.constexpr = False, INT4_SLABS: tl.constexpr = True,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
@@ -236,7 +231,7 @@ def _gate_up(
         acc_g, acc_u = _int4_gate_up(
             acc_g, acc_u, x_ptr + tok[:, None] * H, mask_m, base, e, E_SHARED, rn, mask_n, H, I, stride_gu_n,
             gus_ptr, sgus_ptr, guz_ptr, sguz_ptr, stride_gus_e, stride_gus_r, ty, GROUP, HAS_ZERO,
-            BLOCK_K, EVEN_K, DOT_PRECISION,
+            BLOCK_K, EVEN_K, DOT_PRECISION, INT4_SLABS,
         )  # fmt: skip
     else:
         for k0 in range(0, H, BLOCK_K):
@@ -281,7 +276,7 @@ def _down(
     W_FP8: tl.constexpr = False, ds_ptr=None, sds_ptr=None, stride_ds_e=0, stride_ds_r=0,
     N_FAST: tl.constexpr = False,
     W_INT4: tl.constexpr = False, dz_ptr=None, sdz_ptr=None, GROUP: tl.constexpr = 1,
-    HAS_ZERO: tl.constexpr = False,
+    HAS_ZERO: tl.constexpr = False, INT4_SLABS: tl.constexpr = True,
 ):  # fmt: skip
     """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile).
     W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`).
@@ -310,7 +305,7 @@ def _down(
         a_rows = act_ptr + rows[:, None].to(tl.int64) * I
         acc = _int4_down(
             acc, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, I, stride_d_h, ds_ptr, sds_ptr, dz_ptr,
-            sdz_ptr, stride_ds_e, stride_ds_r, ty, GROUP, HAS_ZERO, BLOCK_K, DOT_PRECISION,
+            sdz_ptr, stride_ds_e, stride_ds_r, ty, GROUP, HAS_ZERO, BLOCK_K, DOT_PRECISION, INT4_SLABS,
         )  # fmt: skip
     else:
         for k0 in range(0, I, BLOCK_K):
@@ -384,11 +379,11 @@ def _fp8_args(w, shared_w, name: str, shared_name: str, block_k: int, split_rows
     return w.q.contiguous(), shared_w.q, keys
 
 
-def _stage_bytes_a_weight(w, x: torch.Tensor) -> float:
-    """Shared memory a pipeline stage holds per weight of a tile: FP8 a byte; int4 half a byte, and each of
-    its eight dots a slab converted to x's dtype; 16-bit weights their own size."""
+def _stage_bytes_a_weight(w, x: torch.Tensor, int4_slabs: bool) -> float:
+    """Shared memory a pipeline stage holds per weight of a tile: FP8 a byte; int4 half a byte, and with the
+    slabs each of its eight dots a slab converted to x's dtype; 16-bit weights their own size."""
     if isinstance(w, Int4Weight):
-        return 0.5 + x.element_size() / 4
+        return 0.5 + (x.element_size() / 4 if int4_slabs else 0)
     return 1 if isinstance(w, Fp8Weight) else w.element_size()
 
 
@@ -435,6 +430,7 @@ def grouped_decode_experts(
     stages_down: int | None = None,
     block_h_combine: int = 256,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    int4_slabs: bool = True,
 ) -> torch.Tensor:
     """x [M, H]; weights [M, k] (x.dtype); ids [M, k] (int32/int64, < E, or E with `shared`: that
     expert's (gate_up [2I, H], down [H, I])); gate_up [E, 2I, H] (gate rows first); down [E, H, I].
@@ -445,11 +441,13 @@ def grouped_decode_experts(
     are part of the numerics: a row's bits are fixed for given blocks, whatever M and the other rows;
     they are never chosen from M or the routing. The pipeline depth (stages, stages_down; None:
     `decode_stages`) follows M, and changes no bits. A repeated id in a row is still summed, in slot
-    order, as the reference does."""
+    order, as the reference does. `int4_slabs`: int4_tiles.int4_dot's form for int4 weights (a launch
+    constant, never chosen from M)."""
     depth = decode_stages(x.shape[0], isinstance(gate_up, Fp8Weight | Int4Weight))
     return _grouped(
         x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages or depth, stages_down or depth, block_h_combine, sort=False, shared=shared,
+        int4_slabs=int4_slabs,
     )  # fmt: skip
 
 
@@ -471,6 +469,7 @@ def grouped_experts(
     block_h_combine: int = 512,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     n_fast: bool = True,
+    int4_slabs: bool = PREFILL_INT4_SLABS,
 ) -> torch.Tensor:
     """The prefill entry: x [T, H]; weights [T, k]; ids [T, k] (int32/int64, < E); gate_up [E, 2I, H]
     (gate rows first); down [E, H, I]. Returns [T, H] in x.dtype: per token, sum over its k experts
@@ -480,11 +479,12 @@ def grouped_experts(
     prefill's blocks and the pairs sorted by torch.sort. block_m None picks it from T*k/E
     (`default_block_m`); block_n, block_n_down and warps None are 128, 256 and 8 with a BLOCK_M of 128,
     else 64, 128 and 4. n_fast: the programs of a block's N tiles launch next to each other (see
-    `_block_and_tile`); the launch order never changes the bits.
+    `_block_and_tile`); the launch order never changes the bits. `int4_slabs`: int4_dot's form for int4
+    weights (K tiles of 128 with the slabs, else 64).
     The block sizes are part of the numerics. A repeated id in a row is still summed, in slot order, as
     the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
-    k_tile = 128 if isinstance(gate_up, Int4Weight) else 64  # (an int4 tile: int4_tiles.check_block_k)
+    k_tile = 128 if isinstance(gate_up, Int4Weight) and int4_slabs else 64  # (int4_tiles.check_block_k)
     block_k, block_k_down = block_k or k_tile, block_k_down or k_tile
     wide = bm >= 128
     wide_warps = 8 if wide else 4
@@ -494,24 +494,30 @@ def grouped_experts(
     return _grouped(
         x, weights, ids, gate_up, down, bm, block_n, block_k, block_n_down, block_k_down,
         warps, warps_down, stages, stages_down, block_h_combine, sort=True, shared=shared, n_fast=n_fast,
+        int4_slabs=int4_slabs,
     )  # fmt: skip
 
 
 def _grouped(
     x, weights, ids, gate_up, down, block_m, block_n, block_k, block_n_down, block_k_down,
     warps, warps_down, stages, stages_down, block_h_combine, sort: bool, shared=None, n_fast=False,
+    int4_slabs: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """The four launches of both entries (sort: how `plan` orders the pairs; shared: expert E's
     weights, planned as one more expert; n_fast: grids (N tiles, blocks) while the blocks fit a grid's
-    second axis)."""
+    second axis; int4_slabs: int4_dot's form)."""
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
-    w_bytes = _stage_bytes_a_weight(gate_up, x)
+    # NOTE: float32 rows run int4 weights in the K-order form: the slab form's eight IEEE dots asked for
+    # 317 KB of shared memory in a wide prefill block (H100 limit 227 KB); its gain is on tensor cores
+    int4_slabs = int4_slabs and x.element_size() == 2
+    w_bytes = _stage_bytes_a_weight(gate_up, x, int4_slabs)
     if isinstance(gate_up, Int4Weight):
-        check_block_k(block_k), check_block_k(block_k_down)
+        check_block_k(block_k, int4_slabs), check_block_k(block_k_down, int4_slabs)
         gate_up, sgu, gu_fp8 = _int4_args(gate_up, sgu, "gus", "sgus", "guz", "sguz")
         down, sdown, down_fp8 = _int4_args(down, sdown, "ds", "sds", "dz", "sdz")
+        gu_fp8["INT4_SLABS"] = down_fp8["INT4_SLABS"] = int4_slabs
     else:
         gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
         down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
