@@ -98,6 +98,7 @@ def int4_dot(
     # column, as block-FP8 GEMMs do; otherwise each value is dequantized first (ops/int4.py's roundings).
     # Which form a kernel runs is a launch constant, never a function of M: rows stay invariant either way.
     # Speed differs by kernel (gemv_config.INT4_SLABS, moe_grouped's NOTE; BENCHMARKS.md, W4A16)."""
+    # (one return at the end: code after a return in a constexpr branch is still compiled)
     BLOCK_N: tl.constexpr = acc.shape[1]
     if not SLABS:
         rk = tl.arange(0, BLOCK_K)
@@ -106,7 +107,21 @@ def int4_dot(
             words, s_rows, z_rows, k0, rk, k_hi, col_ok, ty, GROUP, BLOCK_K, BLOCK_N, HAS_ZERO
         )
         x = tl.load(x_rows + kk[None, :], mask=mask_m & (kk[None, :] < k_hi), other=0.0)
-        return tl.dot(x, w, acc, input_precision=PRECISION)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    else:
+        acc = _slab_dots(
+            acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty, GROUP, BLOCK_K, HAS_ZERO,
+            PRECISION,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _slab_dots(
+    acc, x_rows, mask_m, words, s_rows, z_rows, col_ok, k0, k_hi, ty: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`int4_dot`'s slab form: the eight dots of its NOTE."""
     rkw = tl.arange(0, BLOCK_K // 8) * 8
     ONE: tl.constexpr = GROUP % BLOCK_K == 0
     part = tl.zeros(acc.shape, dtype=tl.float32)
