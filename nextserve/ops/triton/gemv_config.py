@@ -63,8 +63,9 @@ INT4_BLOCK_K = 128  # an int4 tile's K columns: one group of the usual 128 (one 
 INT4_TILE_VALUES = 8192  # weights per tile (4 KiB of words): as many values as an FP8 tile holds
 INT4_NUM_STAGES = 8  # as FP8: a stage holds a quarter of a 16-bit stage's weight bytes
 # int4_tiles.int4_dot's form in the GEMV: each tile dequantized in K order and one dot. The eight-dot slab
-# form measured 1.4x slower at M = 1 on the attention outputs and 4.5x at M = 32 on every projection (H100,
-# BENCHMARKS.md, W4A16), while it is the faster form in the grouped decode experts.
+# form was faster at M = 1 on the in_proj stacks (31.1 against 40.2 us) but slower on the attention outputs
+# (44.1 against 31.3) and 4.6x slower at M = 32 on every projection (H100, one call; BENCHMARKS.md, W4A16),
+# while it is the faster form in the grouped decode experts (moe_grouped.PREFILL_INT4_SLABS's NOTE).
 INT4_SLABS = False
 
 

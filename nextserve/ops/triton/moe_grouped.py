@@ -95,10 +95,11 @@ FP8_DEEP_ROWS = 1
 # Decode).
 TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may hold
 # NOTE: int4 weights: decode runs int4_tiles.int4_dot's eight slab dots (the codes into the MMA, a tile's
-# sum scaled once per column), which at 8 and 32 rows took 169.7 and 490.0 us a layer's experts against
-# 240.3 and 717.8 with each tile dequantized in K order (H100, BENCHMARKS.md, W4A16). Prefill chunks (wide
-# blocks of up to 128 rows) dequantize each tile in K order into one dot of K tiles of 64: the 48-layer
-# build prefilled 8K tokens at 16,254 tok/s that way and at 6,894 with the slabs (same card and bench).
+# sum scaled once per column): a layer's experts at 1 / 8 / 32 rows took 36.4 / 170.1 / 488.3 us against
+# 48.8 / 255.8 / 785.0 with each tile dequantized in K order (H100, one call; BENCHMARKS.md, W4A16).
+# Prefill chunks (blocks of up to 128 rows) dequantize each tile in K order into one dot, K tiles of 64:
+# the 48-layer int4 build prefilled 8,192 tokens at 14,935 tok/s that way and at 6,894 with the slabs
+# (H100, two calls of one session).
 PREFILL_INT4_SLABS = False
 
 
