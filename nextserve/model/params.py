@@ -73,7 +73,16 @@ def int4_parameters(
         module.register_parameter(name + INT4_ZERO, nn.Parameter(zero, requires_grad=False))
 
 
+def set_operand(module: nn.Module, name: str, operand) -> None:
+    """Make `operand` what the ops take for module's parameter `name` (an engine's placement of it, such as
+    routed experts with a device cache: ops/cached_experts.py); the parameter itself stays."""
+    module.__dict__.setdefault("_operands", {})[name] = operand
+
+
 def operand_of(module: nn.Module, name: str) -> torch.Tensor | Fp8Weight | Int4Weight:
+    placed = module.__dict__.get("_operands", {}).get(name)
+    if placed is not None:
+        return placed
     p = getattr(module, name)
     if p.dtype == FP8:
         return Fp8Weight(p, getattr(module, name + SCALE))

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from .cached_experts import CachedExperts
 from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
@@ -76,8 +77,10 @@ def experts(
     # moe_grouped_decode), with no host reads; `_experts_by_row` is its reference. On CUDA (not float64) the
     # grouped path is the same grouped GEMM with prefill's blocks (`grouped_experts`), also free of host
     # reads; the per-expert loop `_experts_by_expert` (one host sync an expert) is its reference and the
-    # CPU path.
+    # CPU path. Experts with a device cache (ops/cached_experts.py) count the call's routing first.
     """
+    if isinstance(gate_up, CachedExperts):
+        gate_up.count(ids)
     if row_invariant:
         if use_kernel(x):
             from .triton.moe_grouped import grouped_decode_experts
@@ -109,10 +112,12 @@ def experts_of_chunks(
     # whose bits may follow their row count) one call a chunk, which is what each chunk gets alone."""
     n = xs[0].shape[0]
     assert all(x.shape[0] == n for x in xs), [x.shape for x in xs]
-    if len(xs) == 1 or not use_kernel(xs[0]):
+    if len(xs) == 1 or not use_kernel(xs[0]):  # (experts() counts a cache's routing)
         return [experts(x, w, i, gate_up, down, False) for x, w, i in zip(xs, weights, ids, strict=True)]
     from .triton.moe_grouped import grouped_experts
 
+    if isinstance(gate_up, CachedExperts):
+        gate_up.count(torch.cat(ids))
     block_m = default_block_m(ids[0].numel(), gate_up.shape[0])
     out = grouped_experts(torch.cat(xs), torch.cat(weights), torch.cat(ids), gate_up, down, block_m=block_m)
     return list(out.split(n))

@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..cached_experts import CachedExperts, parts
 from ..fp8 import Fp8Weight
 from ..int4 import Int4Weight
 from ..moe import default_block_m
@@ -130,18 +131,15 @@ def _block_and_tile(N_FAST: tl.constexpr):
 
 @triton.jit
 def _int4_gate_up(
-    acc_g, acc_u, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, H, I, stride_n,
-    s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e, stride_s_r, ty: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SLABS: tl.constexpr,
+    acc_g, acc_u, a_rows, mask_m, base, rn, mask_n, H, I, stride_n, s_base, z_base, stride_s_r,
+    ty: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SLABS: tl.constexpr,
 ):  # fmt: skip
-    """`_gate_up`'s K loop over int4 words (base: the expert's words; the shared expert's scales and zero
-    points at ss_ptr, sz_ptr): a tile of BLOCK_K // 8 word rows of the gate and up rows at a time."""
+    """`_gate_up`'s K loop over int4 words (base: the expert's words, s_base and z_base its scales and zero
+    points): a tile of BLOCK_K // 8 word rows of the gate and up rows at a time."""
     rkw = tl.arange(0, BLOCK_K // 8)
     g_ptrs = base + rn[None, :] * stride_n + rkw[:, None]  # [BK // 8, BN]
     u_ptrs = g_ptrs + I * stride_n
-    s_base = tl.where(e == E_SHARED, ss_ptr, s_ptr + e.to(tl.int64) * stride_s_e)
-    z_base = tl.where(e == E_SHARED, sz_ptr, z_ptr + e.to(tl.int64) * stride_s_e)
     gs_rows, gz_rows = s_base + rn * stride_s_r, z_base + rn * stride_s_r  # [BN] each column's groups
     us_rows, uz_rows = gs_rows + I * stride_s_r, gz_rows + I * stride_s_r
     for k0 in range(0, H, BLOCK_K):
@@ -166,15 +164,15 @@ def _int4_gate_up(
 
 @triton.jit
 def _int4_down(
-    acc, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, I, stride_n,
-    s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e, stride_s_r, ty: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SLABS: tl.constexpr,
+    acc, a_rows, mask_m, base, rn, mask_n, I, stride_n, s_base, z_base, stride_s_r,
+    ty: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, SLABS: tl.constexpr,
 ):  # fmt: skip
     """`_down`'s K loop over int4 words, as `_int4_gate_up`."""
     rkw = tl.arange(0, BLOCK_K // 8)
     d_ptrs = base + rn[None, :] * stride_n + rkw[:, None]  # [BK // 8, BN]
-    s_rows = tl.where(e == E_SHARED, ss_ptr, s_ptr + e.to(tl.int64) * stride_s_e) + rn * stride_s_r
-    z_rows = tl.where(e == E_SHARED, sz_ptr, z_ptr + e.to(tl.int64) * stride_s_e) + rn * stride_s_r
+    s_rows = s_base + rn * stride_s_r
+    z_rows = z_base + rn * stride_s_r
     for k0 in range(0, I, BLOCK_K):
         wd = tl.load(d_ptrs, mask=mask_n[None, :] & ((k0 + rkw * 8) < I)[:, None], other=0)
         acc = int4_dot(
@@ -183,6 +181,12 @@ def _int4_down(
         )  # fmt: skip
         d_ptrs += BLOCK_K // 8
     return acc
+
+
+@triton.jit
+def _cached(slot_ptr, e, E_SHARED):
+    """Expert e's cache slot (int64), -1 without one; the shared expert (e == E_SHARED) never has one."""
+    return tl.load(slot_ptr + e, mask=e != E_SHARED, other=-1).to(tl.int64)
 
 
 @triton.jit
@@ -196,13 +200,16 @@ def _gate_up(
     N_FAST: tl.constexpr = False,
     W_INT4: tl.constexpr = False, guz_ptr=None, sguz_ptr=None, GROUP: tl.constexpr = 1,
     HAS_ZERO: tl.constexpr = False, INT4_SLABS: tl.constexpr = True,
+    CACHED: tl.constexpr = False, slot_ptr=None, cgu_ptr=None, cgus_ptr=None, cguz_ptr=None,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
     (the shared expert; -1: none). W_FP8: the weights are float8_e4m3fn, with float32 scales [E, 2I/128,
     cdiv(H, 128)] at gus_ptr (the shared expert's at sgus_ptr), each tile dequantized in registers. W_INT4:
     int4 words [E, 2I, H / 8] with group scales [E, 2I, H / GROUP] at gus_ptr (zero points at guz_ptr; the
-    shared expert's at sgus_ptr, sguz_ptr), a tile of BLOCK_K // 8 word rows at a time (int4_dot)."""
+    shared expert's at sgus_ptr, sguz_ptr), a tile of BLOCK_K // 8 word rows at a time (int4_dot). CACHED:
+    expert e's values, scales and zero points from cache slot slot[e] (at cgu_ptr, cgus_ptr, cguz_ptr, with
+    the routed experts' strides) when it has one (`_cached`)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -219,20 +226,29 @@ def _gate_up(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * H + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sgu_ptr, gu_ptr + e.to(tl.int64) * stride_gu_e)
+    if W_FP8 or W_INT4:
+        s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
+    if W_INT4:
+        z_base = tl.where(e == E_SHARED, sguz_ptr, guz_ptr + e.to(tl.int64) * stride_gus_e)
+    if CACHED:
+        c = _cached(slot_ptr, e, E_SHARED)
+        base = tl.where(c >= 0, cgu_ptr + c * stride_gu_e, base)
+        if W_FP8 or W_INT4:
+            s_base = tl.where(c >= 0, cgus_ptr + c * stride_gus_e, s_base)
+        if W_INT4:
+            z_base = tl.where(c >= 0, cguz_ptr + c * stride_gus_e, z_base)
     g_ptrs = base + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
     u_ptrs = g_ptrs + I * stride_gu_n
     ty = x_ptr.dtype.element_ty
     if W_FP8:
-        s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
         gs_rows = s_base + (rn // 128) * stride_gus_r  # [BN] (I is a multiple of 128: up rows follow)
         us_rows = s_base + ((rn + I) // 128) * stride_gus_r
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if W_INT4:
         acc_g, acc_u = _int4_gate_up(
-            acc_g, acc_u, x_ptr + tok[:, None] * H, mask_m, base, e, E_SHARED, rn, mask_n, H, I, stride_gu_n,
-            gus_ptr, sgus_ptr, guz_ptr, sguz_ptr, stride_gus_e, stride_gus_r, ty, GROUP, HAS_ZERO,
-            BLOCK_K, EVEN_K, DOT_PRECISION, INT4_SLABS,
+            acc_g, acc_u, x_ptr + tok[:, None] * H, mask_m, base, rn, mask_n, H, I, stride_gu_n, s_base,
+            z_base, stride_gus_r, ty, GROUP, HAS_ZERO, BLOCK_K, EVEN_K, DOT_PRECISION, INT4_SLABS,
         )  # fmt: skip
     else:
         for k0 in range(0, H, BLOCK_K):
@@ -278,10 +294,12 @@ def _down(
     N_FAST: tl.constexpr = False,
     W_INT4: tl.constexpr = False, dz_ptr=None, sdz_ptr=None, GROUP: tl.constexpr = 1,
     HAS_ZERO: tl.constexpr = False, INT4_SLABS: tl.constexpr = True,
+    CACHED: tl.constexpr = False, slot_ptr=None, cdown_ptr=None, cds_ptr=None, cdz_ptr=None,
 ):  # fmt: skip
     """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile).
     W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`).
-    W_INT4: int4 words [E, H, I / 8], group scales [E, H, I / GROUP] at ds_ptr (as `_gate_up`)."""
+    W_INT4: int4 words [E, H, I / 8], group scales [E, H, I / GROUP] at ds_ptr (as `_gate_up`). CACHED: as
+    `_gate_up`'s (cdown_ptr, cds_ptr, cdz_ptr)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -296,17 +314,27 @@ def _down(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
     base = tl.where(e == E_SHARED, sdown_ptr, down_ptr + e.to(tl.int64) * stride_d_e)
+    if W_FP8 or W_INT4:
+        s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
+    if W_INT4:
+        z_base = tl.where(e == E_SHARED, sdz_ptr, dz_ptr + e.to(tl.int64) * stride_ds_e)
+    if CACHED:
+        c = _cached(slot_ptr, e, E_SHARED)
+        base = tl.where(c >= 0, cdown_ptr + c * stride_d_e, base)
+        if W_FP8 or W_INT4:
+            s_base = tl.where(c >= 0, cds_ptr + c * stride_ds_e, s_base)
+        if W_INT4:
+            z_base = tl.where(c >= 0, cdz_ptr + c * stride_ds_e, z_base)
     d_ptrs = base + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
     ty = act_ptr.dtype.element_ty
     if W_FP8:
-        s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
         ds_rows = s_base + (rn // 128) * stride_ds_r  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if W_INT4:
         a_rows = act_ptr + rows[:, None].to(tl.int64) * I
         acc = _int4_down(
-            acc, a_rows, mask_m, base, e, E_SHARED, rn, mask_n, I, stride_d_h, ds_ptr, sds_ptr, dz_ptr,
-            sdz_ptr, stride_ds_e, stride_ds_r, ty, GROUP, HAS_ZERO, BLOCK_K, DOT_PRECISION, INT4_SLABS,
+            acc, a_rows, mask_m, base, rn, mask_n, I, stride_d_h, s_base, z_base, stride_ds_r, ty, GROUP,
+            HAS_ZERO, BLOCK_K, DOT_PRECISION, INT4_SLABS,
         )  # fmt: skip
     else:
         for k0 in range(0, I, BLOCK_K):
@@ -408,6 +436,22 @@ def _int4_args(w, shared_w, name: str, shared_name: str, zero: str, shared_zero:
     return packed, s_packed, keys
 
 
+def _cache_args(gate_up: CachedExperts, down: CachedExperts) -> tuple:
+    """(host gate_up, host down, gate_up's cache keywords, down's) of experts with a device cache
+    (ops/cached_experts.py): the slot table and each cache part's pointer (values, scales, zero points;
+    the values stand in for parts the format lacks), read with the host experts' strides."""
+    assert isinstance(down, CachedExperts) and down.slot is gate_up.slot, "gate_up and down share slots"
+    keys = []
+    for w, names in ((gate_up, ("cgu", "cgus", "cguz")), (down, ("cdown", "cds", "cdz"))):
+        host, cache = parts(w.host), parts(w.cache)
+        for h, c in zip(host, cache, strict=True):
+            assert h.stride() == c.stride() and c.is_contiguous(), "a cache slot is laid out as a host expert"
+        ptrs = cache + [cache[-1]] * (3 - len(cache))  # (a zero-point pointer for formats without one)
+        cache_ptrs = {f"{n}_ptr": t for n, t in zip(names, ptrs, strict=True)}
+        keys.append({"CACHED": True, "slot_ptr": w.slot} | cache_ptrs)
+    return gate_up.host, down.host, keys[0], keys[1]
+
+
 def decode_stages(rows: int, fp8: bool) -> int:
     """The decode kernels' pipeline depth for `rows` rows: FP8_DEEP_STAGES for FP8 (and int4) weights at up
     to FP8_DEEP_ROWS rows, else STAGES."""
@@ -507,6 +551,9 @@ def _grouped(
     """The four launches of both entries (sort: how `plan` orders the pairs; shared: expert E's
     weights, planned as one more expert; n_fast: grids (N tiles, blocks) while the blocks fit a grid's
     second axis; int4_slabs: int4_dot's form)."""
+    gu_cache, down_cache = {}, {}
+    if isinstance(gate_up, CachedExperts):
+        gate_up, down, gu_cache, down_cache = _cache_args(gate_up, down)
     E = gate_up.shape[0]
     e_shared, (sgu, sdown) = (-1, (gate_up, down)) if shared is None else (E, shared)
     M, H, k, I = expert_shapes(x, weights, ids, gate_up, down)
@@ -555,7 +602,7 @@ def _grouped(
         gate_up.stride(1),
         K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
-        num_warps=warps, num_stages=stages, N_FAST=n_fast, **pdl_args(x), **gu_fp8,
+        num_warps=warps, num_stages=stages, N_FAST=n_fast, **pdl_args(x), **gu_fp8, **gu_cache,
     )  # fmt: skip
     yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
     _down[grid(triton.cdiv(H, block_n_down))](
@@ -564,6 +611,7 @@ def _grouped(
         BLOCK_M=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down,
         EVEN_K=I % block_k_down == 0, EVEN_N=H % block_n_down == 0, DOT_PRECISION=precision,
         num_warps=warps_down, num_stages=stages_down, N_FAST=n_fast, **pdl_args(act), **down_fp8,
+        **down_cache,
     )  # fmt: skip
     _combine[(M, triton.cdiv(H, block_h_combine))](
         yw, ids, out, H, K_TOP=k, K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h_combine, **pdl_args(yw),
