@@ -74,6 +74,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "experts": "where the routed experts live: device, host (pinned host memory the GPU kernels read over "
     "the bus, for cards too small for them; the same outputs), or auto (host when the memory plan says they "
     "do not fit on the device)",
+    "expert_cache_gib": "device memory (GiB) for a cache of the routed experts held in host memory, filled "
+    "with the experts the routing uses most (the same outputs); 0: none; auto: what the device has left "
+    "after the weights, the state slots, the headroom and one sequence of --max-context tokens of KV, up to "
+    "every expert (none on the CPU)",
     "gpu_memory_gib": "act as if the GPU had this many GiB: the memory plan and the KV pool are sized from "
     "it and torch's allocator is capped at it (to reproduce a smaller card's run on a bigger one; one "
     "process); default: the GPU's own memory",
@@ -145,6 +149,15 @@ def _engine_flag_parser(hint: object, default: object) -> dict:
                 return text
 
         return {"type": int_or_word, "metavar": f"N|{default}" if isinstance(default, str) else "N|WORD"}
+    if kinds == {float, str}:
+        # A number, or a keyword such as "auto".
+        def number_or_word(text: str) -> float | str:
+            try:
+                return float(text)
+            except ValueError:
+                return text
+
+        return {"type": number_or_word, "metavar": f"X|{default}" if isinstance(default, str) else "X|WORD"}
     return {"type": str}
 
 

@@ -63,6 +63,7 @@ class EngineConfig:
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
     ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
     experts: str = "device"  # where the routed experts live: device, host (pinned), auto (host if no room)
+    expert_cache_gib: float | str = "auto"  # device cache of host-held experts (engine/expert_cache.py)
     warm_up: bool = True  # compile every kernel specialisation at start, before serving (GPU only)
     compile_cache_dir: str | None = None  # Triton's compile cache (a restart then compiles nothing)
 
@@ -105,6 +106,7 @@ class EngineConfig:
                 "experts host or auto places one process's routed experts; with pipeline stages each stage "
                 "would place its own, which is not there yet"
             )
+        self._check_expert_cache()
         if self.quantization not in ("auto", "fp8", "int4", "none"):
             raise ConfigError(f"quantization must be auto, fp8, int4 or none, got {self.quantization!r}")
         if self.speculative_method not in ("off", "ngram", "mtp"):
@@ -135,6 +137,17 @@ class EngineConfig:
                     "which is not there yet"
                 )
         self._check_stage_flags()
+
+    def _check_expert_cache(self) -> None:
+        gib = self.expert_cache_gib
+        if gib == "auto":
+            return
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not 0 <= gib < 1e6:
+            raise ConfigError(f"expert_cache_gib must be auto or a number of GiB >= 0, got {gib!r}")
+        if gib > 0 and self.experts == "device":
+            raise ConfigError(
+                "expert_cache_gib caches routed experts held in host memory: it needs experts host or auto"
+            )
 
     def _check_stage_flags(self) -> None:
         """stage_transport and pipeline_devices (normalised to "i,j,..." when given as a list of ints)."""

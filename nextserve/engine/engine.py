@@ -26,6 +26,7 @@ from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
 from .setup import (
+    build_expert_cache,
     build_prefix,
     capture_graphs,
     check_pipeline,
@@ -70,7 +71,7 @@ class LLMEngine:
         cap_device_memory(self.device, config.gpu_memory_gib if caps is None else caps[0])
         # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
         steps = config.speculative_tokens if config.speculative_method != "off" else 0
-        mtp, self.plan = None, None
+        mtp, self.plan, self.expert_cache = None, None, None
         if stages == 1:
             # NOTE: the weights (the MTP block's too) and the state slots (with the keep slots of verify
             # windows: gigabytes at real widths) are in memory before the KV pool is sized from what is free;
@@ -79,6 +80,9 @@ class LLMEngine:
             check_state_memory(config, cfg, self.device, self.dtype, n_attn, steps)
             self.slots = StateSlots(
                 cfg, config.max_concurrency, n_attn, self.dtype, self.device, window_steps=steps
+            )
+            self.expert_cache = build_expert_cache(
+                config, cfg, self.model, self.plan, self.device, self.dtype
             )
         stage_plan = (ranges, devices, steps) if stages > 1 else None
         capacity, images = kv_capacity(config, cfg, self.device, self.dtype, n_attn, stage_plan)
@@ -137,6 +141,8 @@ class LLMEngine:
         self._next_id = 0
         if self.device.type == "cuda" and config.warm_up:
             warm_up(self)
+        if self.expert_cache is not None:
+            self.expert_cache.reset()  # (warm-up's random prompts teach the policy nothing)
         log.info("engine ready in %.1f s", time.perf_counter() - t_start)
 
     def reset_counters(self) -> None:
@@ -265,6 +271,8 @@ class LLMEngine:
             results = self.runner.execute(plan)
             self.update(results)
             touched += [c.seq for c in plan.chunks]
+        if self.expert_cache is not None:
+            self.expert_cache.step()
         return self.drain_finished(touched, deltas)
 
     def _overlaps(self, plan: StepPlan) -> bool:
@@ -397,4 +405,4 @@ class LLMEngine:
             "preempted_waiting": len(self.scheduler.swapper.copies),
             "pipeline_windows_held": getattr(self.runner, "windows_held", 0),
             "pipeline_windows_dropped": getattr(self.runner, "windows_dropped", 0),
-        }
+        } | (self.expert_cache.stats() if self.expert_cache is not None else {})

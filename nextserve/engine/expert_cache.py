@@ -30,13 +30,51 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import ConfigError
+from ..engine_config import EngineConfig
 from ..model.params import set_operand
 from ..ops.cached_experts import CachedExperts, empty_like_slots, expert_bytes, parts
+from ..runtime.device_memory import free_bytes
 
 log = logging.getLogger("nextserve.expert_cache")
 
 DECAY = 0.5  # a score's weight after each read
 FILLS_PER_READ = 4  # experts a layer may fill at one read (bounds the bytes a read puts on the link)
+
+
+GiB = 2**30
+
+
+def moe_owners(model: nn.Module) -> list[nn.Module]:
+    """The modules holding routed expert stacks (`gate_up_proj`, `down_proj`), in layer order."""
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+
+
+def cache_slots(config: EngineConfig, model: nn.Module, device: torch.device, reserve: int) -> int:
+    """Experts a layer's cache holds: --expert-cache-gib over one expert in every MoE layer, at most all of
+    them. auto: the device's free memory (under --gpu-memory-gib) less `reserve` bytes (the headroom and
+    one sequence of KV: the pool is sized after the cache), none on the CPU. A given size too small for one
+    expert a layer is a ConfigError naming the least that works."""
+    owners = moe_owners(model)
+    if not owners:
+        return 0
+    E = owners[0].gate_up.shape[0]
+    one = expert_bytes(owners[0].gate_up) + expert_bytes(owners[0].down)
+    per_slot = one * len(owners)  # one more expert in every layer
+    gib = config.expert_cache_gib
+    if gib == "auto":
+        if device.type != "cuda":
+            return 0
+        return max(0, min(E, (free_bytes(device, config.gpu_memory_gib) - reserve) // per_slot))
+    if gib == 0:
+        return 0
+    slots = int(gib * GiB // per_slot)
+    if slots < 1:
+        raise ConfigError(
+            f"expert_cache_gib {gib} holds no expert: one expert in each of the {len(owners)} MoE layers "
+            f"takes {per_slot / GiB:.3f} GiB"
+        )
+    return min(E, slots)
 
 
 @dataclass
@@ -56,7 +94,7 @@ class ExpertCache:
     def __init__(self, model: nn.Module, slots: int, device: torch.device) -> None:
         assert slots >= 1, slots
         self.slots, self.device = slots, device
-        owners = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+        owners = moe_owners(model)
         E = owners[0].gate_up.shape[0]
         assert slots <= E, (slots, E)
         # [L, 2, E + 1]: per layer the (row, expert) pairs and the calls that read each expert

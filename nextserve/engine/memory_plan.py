@@ -59,6 +59,7 @@ class MemoryPlan:
     prefix_images: int = 0  # state copies kept for prefix reuse (taken out of the KV pool's memory)
     headroom: int = 0
     host_arena: int = 0  # pinned host memory for host images and preempted sequences (cache/pinned_arena.py)
+    expert_cache: tuple[int, int, int] = (0, 0, 0)  # (slots a layer, MoE layers, bytes): expert_cache.py
     free_at_start: int | None = None  # device memory free before loading (CUDA)
 
     def device_bytes(self) -> int:
@@ -88,6 +89,10 @@ class MemoryPlan:
             + (f" + {self.keep_slots} keep slots" if self.keep_slots else "")
             + f" = {gib(state)}"
         )
+        slots, layers, cache = self.expert_cache
+        if slots:
+            held = f"{slots} experts x {layers} layers = {gib(cache)}"
+            lines.append(f"  expert cache: {held} (of the experts held in host memory)")
         if self.kv_tokens:
             kv = self.kv_tokens * self.kv_per_token
             fit = self.kv_tokens // SEQUENCE_TOKENS

@@ -26,6 +26,7 @@ from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
+from .expert_cache import ExpertCache, cache_slots
 from .memory_plan import MemoryPlan, headroom_bytes, held_tensor_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
@@ -78,6 +79,29 @@ def load_engine_model(
     mtp = load_mtp(config.model, cfg, dtype, device, config.quantization) if mtp_wanted else None  # or error
     plan.weights = module_bytes(model) | ({} if mtp is None else module_bytes(mtp, "mtp."))
     return model, mtp, plan
+
+
+def build_expert_cache(
+    config: EngineConfig, cfg: ModelConfig, model: FlashNext, plan: MemoryPlan, device: torch.device,
+    dtype: torch.dtype,
+) -> ExpertCache | None:  # fmt: skip
+    """The device cache of the routed experts held in host memory (engine/expert_cache.py), sized before
+    the KV pool (which takes what it leaves), or None: experts on the device, or a size of no expert. On the
+    CPU backend, whose host is its device, --experts host with --expert-cache-gib runs the mechanism alone
+    (tests)."""
+    on_host = plan.weights.get(("experts", "host"), 0) > 0
+    if not on_host and not (device.type == "cpu" and config.experts == "host"):
+        return None
+    n_attn = len(cfg.qsa_layers) + 1
+    context = config.max_context or cfg.max_position_embeddings
+    reserve = headroom_bytes(config, cfg, dtype) + context * kv_bytes_per_token(cfg, n_attn, dtype)
+    slots = cache_slots(config, model, device, reserve)
+    if slots == 0:
+        log.info("routed experts in host memory, no device expert cache (--expert-cache-gib)")
+        return None
+    cache = ExpertCache(model, slots, device)
+    plan.expert_cache = (slots, len(cache.layers), cache.nbytes)
+    return cache
 
 
 def capture_graphs(

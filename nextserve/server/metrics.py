@@ -73,6 +73,22 @@ class _EngineCollector(Collector):
             ),
             "nextserve_prefix_cache_hits": ("Prompts that resumed from a prefix image", "prefix_hits"),
             "nextserve_prefix_cache_misses": ("Prompts that found no prefix image", "prefix_misses"),
+            "nextserve_expert_cache_hits": (
+                "Routed (token, expert) pairs whose expert was in the device expert cache",
+                "expert_cache_hits",
+            ),
+            "nextserve_expert_cache_misses": (
+                "Routed (token, expert) pairs whose expert was read from host memory",
+                "expert_cache_misses",
+            ),
+            "nextserve_expert_cache_fills": (
+                "Experts copied into the device expert cache",
+                "expert_cache_fills",
+            ),
+            "nextserve_expert_cache_link_bytes": (
+                "Bytes of routed experts read or copied over the host link (an estimate: a read per call)",
+                "expert_cache_link_bytes",
+            ),
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))

@@ -56,6 +56,8 @@ def test_models_health_metrics(server):
         "nextserve_preempted_resumes_total",
         "nextserve_prefix_cache_hits_total",
         "nextserve_prefix_cache_misses_total",
+        "nextserve_expert_cache_hits_total",  # (0 without a cache)
+        "nextserve_expert_cache_link_bytes_total",
         "nextserve_preempted_sequences",
         "nextserve_prefix_images",
     ):
