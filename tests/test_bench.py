@@ -108,6 +108,44 @@ def test_random_model_matches_loader_names_and_is_finite() -> None:
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
 
 
+def test_bench_with_host_experts_reports_the_expert_cache(capsys, one_thread) -> None:
+    """--experts host with a small --expert-cache-gib: each decode run's cache counters over its timed
+    window (hits and misses add up to its routed pairs); the host link is measured on a GPU only."""
+    cfg, _ = bench.bench_config("tiny")
+    argv = [
+        "bench", "--device", "cpu", "--preset", "tiny", "--prompt-lens", "16", "--concurrency", "1", "2",
+        "--decode-steps", "3", "--decode-prompt-len", "8", "--copy-mib", "8", "--no-transformers",
+        "--no-profile", "--experts", "host", "--expert-cache-gib", "0.0001", "--router-skew", "1.5",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["model"]["experts"] == "host" and res["model"]["router_skew"] == 1.5
+    assert res["host_link"]["GB_per_s"] is None
+    for r in res["nextserve"]["decode"]:
+        c = r["expert_cache"]
+        assert 0 < c["slots"] < cfg.num_experts * cfg.num_hidden_layers
+        assert (
+            c["hits"] + c["misses"] == r["concurrency"] * 3 * cfg.num_experts_per_tok * cfg.num_hidden_layers
+        )
+        assert 0 <= c["hit_rate"] <= 1 and c["link_bytes_per_token"] >= 0
+
+
+def test_router_skew_skews_the_routing() -> None:
+    """A skewed random router sends more pairs to its widest rows: the busiest eighth of the experts gets
+    1.4 times the top-k picks it gets unskewed."""
+    from nextserve.ops.moe import route
+
+    cfg, _ = bench.bench_config("small")
+    x = torch.randn(512, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    shares = []
+    for skew in (0.0, 1.5):
+        model = bench.random_flash_next(cfg, "cpu", torch.float32, seed=1, router_skew=skew)
+        _, ids = route(x @ model.layers["0"].mlp.gate.weight.T, cfg.num_experts_per_tok, True)
+        counts = torch.bincount(ids.flatten(), minlength=cfg.num_experts).sort(descending=True).values
+        shares.append(counts[: cfg.num_experts // 8].sum().item() / ids.numel())
+    assert shares[1] > 1.4 * shares[0], shares
+
+
 def test_flash_next_preset_widths_and_layers() -> None:
     text = text_config("flash-next")
     assert text["num_hidden_layers"] == 8 and text["hidden_size"] == 2560 and text["vocab_size"] == 248320

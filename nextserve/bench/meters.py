@@ -118,3 +118,31 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> dict
         "GB_per_s": round(moved / med / 1e9, 1),
         "how": f"dst.copy_(src) of {n * 2 / 2**30:.2f} GiB, median of {repeats} after 3 warm-ups",
     }
+
+
+def host_link_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> dict[str, Any]:
+    """Pinned host memory to the device: `nbytes` copied, over the median time (the link host-held experts
+    cross); None off CUDA."""
+    if device.type != "cuda":
+        return {"GB_per_s": None, "how": "not measured: no GPU"}
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(3 + repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000.0)
+    med = statistics.median(times)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {
+        "bytes": nbytes,
+        "median_s": med,
+        "GB_per_s": round(nbytes / med / 1e9, 2),
+        "how": f"pinned host to device copy_ of {nbytes / 2**30:.2f} GiB, median of {repeats} after 3 "
+        "warm-ups",
+    }

@@ -77,6 +77,8 @@ def random_flash_next(
     fp8: bool = False,
     ple_host: bool = False,
     int4: bool = False,
+    experts_host: bool = False,
+    router_skew: float = 0.0,
 ) -> FlashNext:
     """A whole FlashNext with random weights drawn directly on `device` in `dtype`: no checkpoint.
 
@@ -88,7 +90,10 @@ def random_flash_next(
     Each parameter is allocated once, in its final dtype (no float32 copy of a 45 GB model): with `fp8`
     the projections and experts are block-wise FP8 (`fp8_names`), quantized as drawn, chunk by chunk (with
     `int4`: W4A16 in groups of INT4_GROUP, `int4_names`, symmetric round-to-nearest); with `ple_host` (on a
-    GPU) the n-gram tables are in pinned host memory, drawn on the device and copied.
+    GPU) the n-gram tables are in pinned host memory, drawn on the device and copied; with `experts_host` the
+    routed experts too. `router_skew` A > 0 scales each router's row of the expert ranked r (a random order
+    per layer, from the seed) by (r + 1) ** -A, the rows' mean square kept: wider logits land in the top-k
+    more often, so routing is skewed as trained routers' is (uniform at 0).
     """
     device = torch.device(device)
     with meta_device():
@@ -98,6 +103,7 @@ def random_flash_next(
     quantized = fp8_names(model) if fp8 else set()
     packed = {n: (INT4_GROUP, dtype, True) for n in int4_names(model)} if int4 else {}
     host = {n for n in shapes if "ngram_embedding" in n} if ple_host else set()
+    host |= {n for n in shapes if ".mlp.experts." in n} if experts_host else set()
     materialize(model, device, dtype, quantized, host, packed)
     suffix = INT4_SCALE if int4 else SCALE
     params = {n: p for n, p in model.named_parameters() if not n.endswith(suffix)}
@@ -135,7 +141,21 @@ def random_flash_next(
                 part.copy_(q)
                 first = start if len(shape) == 3 else start // BLOCK  # experts: a chunk of whole experts
                 scales[name][first : first + s.shape[0]].copy_(s)
+        if router_skew:
+            _skew_routers(model, router_skew, seed)
     return model.eval()
+
+
+def _skew_routers(model: FlashNext, skew: float, seed: int) -> None:
+    """Scale each MoE router's rows (`random_flash_next`'s router_skew)."""
+    for name, p in model.named_parameters():
+        if not name.endswith(".mlp.gate.weight"):
+            continue
+        E = p.shape[0]
+        rank = torch.randperm(E, generator=torch.Generator().manual_seed(seed_for(seed, name)))
+        scale = (rank.double() + 1) ** -skew
+        scale /= scale.square().mean().sqrt()
+        p.mul_(scale.to(device=p.device, dtype=torch.float32)[:, None].to(p.dtype))
 
 
 def engine_for_model(model: FlashNext, device: torch.device, dtype: torch.dtype, **engine_flags: Any):

@@ -19,7 +19,7 @@ from ..config import DTYPES
 from ..engine_config import EngineConfig
 from . import __doc__ as _package_doc
 from .hf import hf_decode, hf_prefill, hf_run, transformers_model
-from .meters import EnergyMeter, copy_bandwidth, sync
+from .meters import EnergyMeter, copy_bandwidth, host_link_bandwidth, sync
 from .model import bench_config, engine_for_model, random_flash_next
 from .profile import profile_decode_step
 from .provenance import git_info, hardware
@@ -116,6 +116,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where the n-gram table lives: device, or pinned host memory (default: device)",
     )  # fmt: skip
     p.add_argument(
+        "--experts", choices=["device", "host"], default="device",
+        help="where the routed experts live: device, or pinned host memory read over the bus, with a device "
+        "expert cache of --expert-cache-gib (default: device)",
+    )  # fmt: skip
+    p.add_argument(
+        "--expert-cache-gib", default="auto",
+        help="the engine's --expert-cache-gib with --experts host: GiB, 0 or auto (default: auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=None,
+        help="the engine's --gpu-memory-gib: act as if the GPU had this many GiB (default: its own)",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-skew", type=float, default=0.0,
+        help="skew the random routers as trained ones are: each layer's router row of the expert ranked r "
+        "(a random order) scaled by (r + 1) ** -A, renormalised (a wider logit lands in the top-k more "
+        "often); 0: uniform routing (default: 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--revision", default=None, help="git revision to record when the tree has no .git (default: none)"
     )
     p.add_argument(
@@ -197,7 +216,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         prefill_chunk=args.prefill_chunk, max_concurrency=max_conc, kv_capacity=capacity,
         max_context=capacity, page_size=args.page_size, max_pending=max(256, max_conc),
         cuda_graph=args.cuda_graph, pdl=args.pdl, async_scheduling=args.async_scheduling, prefix_cache=False,
+        gpu_memory_gib=args.gpu_memory_gib,
     )  # fmt: skip
+    if args.experts == "host":
+        gib = args.expert_cache_gib
+        engine_flags |= dict(experts="host", expert_cache_gib=gib if gib == "auto" else float(gib))
+        res["host_link"] = host_link_bandwidth(device, 1 << 30)
 
     def nextserve_engine():
         t = time.perf_counter()
@@ -209,6 +233,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             fp8=args.quantization == "fp8",
             ple_host=args.ple_table == "host",
             int4=args.quantization == "int4",
+            experts_host=args.experts == "host",
+            router_skew=args.router_skew,
         )
         sync(device)
         built = time.perf_counter() - t
@@ -255,6 +281,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         ),
         "quantization": args.quantization,
         "ple_table": args.ple_table,
+        "experts": args.experts,
+        "router_skew": args.router_skew,
         "fp8_tensors": len(fp8),
         "int4_tensors": len(int4),
         "build_s": round(built, 2),
@@ -275,6 +303,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for B in args.concurrency:
         log(f"nextserve decode concurrency {B}")
         r = ns_decode(engine, decode_prompts[B], steps, meter)
+        link = res.get("host_link", {}).get("GB_per_s")
+        cache = r["expert_cache"]
+        if cache is not None and link and cache["link_bytes_per_token"]:  # the rate the link allows
+            cache["link_bound_tok_per_s"] = round(link * 1e9 / cache["link_bytes_per_token"], 2)
+            cache["fraction_of_link_bound"] = round(r["decode_tok_per_s"] / cache["link_bound_tok_per_s"], 4)
         r["roofline"] = roofline(cfg, B, round(r["mean_context"]), bandwidth, fp8, host, int4)
         r["roofline_fraction"] = round(r["decode_tok_per_s"] / r["roofline"]["tok_per_s"], 5)
         ns["decode"].append(r)

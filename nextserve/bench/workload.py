@@ -78,6 +78,7 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
         engine.step()
     before = [len(s.output_ids) for s in seqs]
     step_s = []
+    cache_before = engine.stats()
     with Window(device, meter) as w:
         # NOTE: no device sync per step: with async scheduling a step returns while the GPU runs the
         # next one (the window syncs at its ends); a step's wall time then ends when it has read the
@@ -86,6 +87,7 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
             t0 = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t0)
+    cache_after = engine.stats()
     made = [len(s.output_ids) - b for s, b in zip(seqs, before, strict=True)]
     # Context of each request at the middle of the window (early ones decoded while others prefilled).
     mean_context = statistics.mean(
@@ -114,4 +116,20 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
         "ttft_s_last": round(ttfts[-1], 4),
         **w.energy(tokens),
         "peak_memory_bytes": peak_memory(device),
+        "expert_cache": expert_cache_window(cache_before, cache_after, tokens),
     }
+
+
+def expert_cache_window(before: dict, after: dict, tokens: int) -> dict[str, Any] | None:
+    """The device expert cache's counters over a timed window of `tokens` decoded tokens (engine stats taken
+    at its ends; the routing of a window's last step is read at the step after it, so a window's figures
+    trail it by a step): hits, misses, fills, hit rate, link bytes a token. None without a cache."""
+    if "expert_cache_hits" not in after:
+        return None
+    keys = [k for k in after if k.startswith("expert_cache_")]
+    d = {k.removeprefix("expert_cache_"): after[k] - before.get(k, 0) for k in keys}
+    d["slots"] = after["expert_cache_slots"]
+    pairs = d["hits"] + d["misses"]
+    d["hit_rate"] = round(d["hits"] / pairs, 4) if pairs else None
+    d["link_bytes_per_token"] = round(d["link_bytes"] / tokens) if tokens else None
+    return d
