@@ -23,7 +23,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "or float64",
     "device": "auto, cpu, cuda or cuda:N",
     "prefill_chunk": "prompt tokens per prefill step; prefix-cache snapshots lie on this grid",
-    "max_concurrency": "most sequences running at once (recurrent-state slots)",
+    "max_concurrency": "most sequences running at once (recurrent-state slots); auto: on a GPU as many as "
+    "the state slots can take in half the memory left after the weights and one sequence of KV, at most 64 "
+    "(the start-up memory table names the count); 16 on the CPU and with pipeline stages",
     "kv_capacity": "tokens in the shared paged KV pool, or auto (from free memory)",
     "max_context": "most tokens (prompt + output) per sequence; default: the model's max_position_embeddings",
     "page_size": "tokens per KV page",

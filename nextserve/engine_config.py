@@ -27,7 +27,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     device: str = "auto"  # auto: cuda when available
     prefill_chunk: int = 4096  # BENCHMARKS.md, Long prefill: 62.7K cold TTFT 1.13 s against 1.94 at 1024
-    max_concurrency: int = 16
+    max_concurrency: int | str = "auto"  # sequences at once; auto: from the memory (engine/concurrency.py)
     kv_capacity: int | str = "auto"  # tokens in the pool, or "auto"
     max_context: int | None = None  # per sequence; default: the model's max_position_embeddings
     page_size: int = 64
@@ -75,8 +75,12 @@ class EngineConfig:
         ints = ("prefill_chunk", "max_concurrency", "page_size", "max_pending", "pipeline_stages")
         ints += ("decode_groups",)
         for name in ints:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            if name == "max_concurrency" and self.max_concurrency == "auto":
+                continue
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                auto = " or 'auto'" if name == "max_concurrency" else ""
+                raise ConfigError(f"{name} must be a positive integer{auto}, got {getattr(self, name)!r}")
         if self.kv_capacity != "auto" and (not isinstance(self.kv_capacity, int) or self.kv_capacity <= 0):
             raise ConfigError(f"kv_capacity must be a positive integer or 'auto', got {self.kv_capacity!r}")
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context <= 0):
@@ -232,7 +236,9 @@ class EngineConfig:
     @property
     def state_slots(self) -> int:
         """State slots to allocate: one per sequence, and with pipeline_windows the shadow slot the guessed
-        windows run on (runtime/pipeline.py)."""
+        windows run on (runtime/pipeline.py). Only once max_concurrency is a number (the engine resolves
+        auto: engine/concurrency.py)."""
+        assert self.max_concurrency != "auto", "max_concurrency auto is resolved by the engine"
         return self.max_concurrency + int(self.pipeline_windows)
 
     def prefill_chunks_per_step(self) -> int:

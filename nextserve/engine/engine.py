@@ -18,6 +18,7 @@ from ..runtime.device_memory import cap_device_memory
 from ..runtime.pipeline import PipelineRunner, build_stage
 from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
 from ..runtime.windows import plain_greedy
+from .concurrency import resolve_max_concurrency
 from .detokenizer import Detokenizer
 from .outputs import RequestOutput
 from .penalties import TokenTally
@@ -64,13 +65,14 @@ class LLMEngine:
                 "positions (max_position_embeddings in config.json); the model was not trained beyond them"
             )
         n_attn = len(cfg.qsa_layers) + 1  # the MTP layer's planes come last
+        # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
+        steps = config.speculative_tokens if config.speculative_method != "off" else 0
+        config = self.config = resolve_max_concurrency(config, cfg, self.device, self.dtype, steps, model)
         if stages > 1:
             ranges, devices = check_pipeline(config, cfg, self.device, model)
             self.device = devices[0]  # stage 0's, where the driver samples
         caps = config.stage_memory_caps()  # (stage 0's, the driver's; the stages cap their own)
         cap_device_memory(self.device, config.gpu_memory_gib if caps is None else caps[0])
-        # keep slots per state slot for verify windows' rewinds (engine/speculative.py)
-        steps = config.speculative_tokens if config.speculative_method != "off" else 0
         mtp, self.plan, self.expert_cache = None, None, None
         if stages == 1:
             # NOTE: the weights (the MTP block's too) and the state slots (with the keep slots of verify

@@ -87,7 +87,7 @@ class MemoryPlan:
         lines.append(
             f"  state slots: {self.slots} x {gib(self.slot_bytes)}"
             + (f" + {self.keep_slots} keep slots" if self.keep_slots else "")
-            + f" = {gib(state)}"
+            + f" = {gib(state)} ({self.slots - 1} sequences at once and a scratch slot)"
         )
         slots, layers, cache = self.expert_cache
         if slots:
