@@ -139,7 +139,9 @@ def test_the_flag_and_the_chain() -> None:
     )  # fmt: skip
     config = engine_config_from_args(args)
     assert config.pipeline_windows and mtp_tokens(config) == 7 and config.state_slots == 6
-    plain = EngineConfig(model="m", pipeline_stages=2, speculative_method="mtp", speculative_tokens=3)
+    plain = EngineConfig(
+        model="m", pipeline_stages=2, speculative_method="mtp", speculative_tokens=3, max_concurrency=4
+    )
     assert mtp_tokens(plain) == 3 and plain.state_slots == plain.max_concurrency
 
 
