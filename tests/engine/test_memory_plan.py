@@ -25,7 +25,7 @@ def test_weight_kinds():
 def test_the_plan_of_an_fp8_checkpoint(tmp_path, caplog):
     d = make_model("tiny", tmp_path / "f8", quantization="fp8")
     cfg = ModelConfig.from_dir(d)
-    config = EngineConfig(model=str(d), device="cpu", dtype="float32")
+    config = EngineConfig(model=str(d), device="cpu", dtype="float32", max_concurrency=16)
     plan = plan_memory(config, cfg, torch.device("cpu"), torch.float32, steps=0, with_mtp=False)
     assert "layers.3.self_attn.o_proj.weight" in plan.fp8 and "lm_head.weight" not in plan.fp8
     # predicted bytes: an FP8 tensor is 1 byte a value plus 4 a scale block

@@ -65,7 +65,9 @@ def test_the_memory_plan_reads_the_capped_free_memory(monkeypatch, tmp_path) -> 
     d = make_model("tiny", tmp_path / "m", seed=0)
     monkeypatch.setattr(memory_plan, "free_bytes", lambda dev, gib: int(gib * GiB) if gib else 80 * GiB)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
-    config = EngineConfig(model=str(d), device="cuda", gpu_memory_gib=0.001, memory_headroom_mib=0)
+    config = EngineConfig(
+        model=str(d), device="cuda", gpu_memory_gib=0.001, memory_headroom_mib=0, max_concurrency=16
+    )
     from nextserve.config import ModelConfig
 
     cfg = ModelConfig.from_dir(d)
