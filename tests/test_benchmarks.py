@@ -138,8 +138,12 @@ def run_json(*argv: str) -> dict:
          "--threads", "1"],
         ["benchmarks/mtp_acceptance.py", "--files", "1", "--prompt-tokens", "32", "--new-tokens", "8",
          "--val-windows", "1", "--threads", "1"],
+        ["benchmarks/agents_under_load.py", "--sessions", "2", "--first", "96", "--grow", "32",
+         "--max-prompt", "200", "--reply", "6", "--system", "64", "--stagger", "0.01",
+         "--loaded-prompt", "150", "--device", "cpu", "--dtype", "float32", "--page-size", "16",
+         "--prefill-chunk", "32", "--kv-capacity", "4096"],
     ],
-    ids=["bench_prefix", "bench_speculative", "mtp_acceptance"],
+    ids=["bench_prefix", "bench_speculative", "mtp_acceptance", "agents_under_load"],
 )  # fmt: skip
 def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
     res = run_json(*argv)
@@ -149,3 +153,8 @@ def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
         # the cold side resumes nothing (it did while prefix reuse, on by default, was left on there)
         assert set(res["cold"]["cached_tokens"]) == {0} and res["prefix_reuse"]["cached_tokens"][1] > 0, res
         assert res["outputs_identical"] is True
+    if argv[0].endswith("agents_under_load.py"):
+        # 2 sessions, each until its prompt passes 200 tokens (96, then 32 + a reply of 3-9 more a turn)
+        assert res["requests"] == 6 and set(res["ttft_by_turn"]) == {"1", "2", "3"}, res
+        assert res["prefix_reuse_rate"] > 0.3 and res["preemptions"] == 0 and res["max_concurrency"] == 16
+        assert 0 < res["itl_p50_s"] <= res["itl_p99_s"] and res["generated_tokens"] >= 6 * 3
