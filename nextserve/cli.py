@@ -95,6 +95,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "pipeline_prefill_chunks": "with pipeline stages: a prompt's chunks one step sends in, each passed on as "
     "soon as a stage is done with it, so chunk i+1 runs on stage 0 while chunk i is on stage 1 (auto: one "
     "per stage; 1: the stages take turns); outputs unchanged",
+    "prefill_chunks_beside_decodes": "prompt chunks a step runs at most while it also decodes, so running "
+    "decodes wait one chunk's forward for a long prompt, not a whole batch of chunks (the prompt's outputs "
+    "are the same; its TTFT grows); auto: 1 in one process, with pipeline stages all of a step's",
     "prefill_batch_chunks": "one process: prompt chunks one step runs in one forward, of one prompt or of "
     "several (a prompt's run stops at its next prefix image point; chunks of equal length go together): "
     "each chunk computed exactly as alone, except that their routed experts run as one grouped call, so each "

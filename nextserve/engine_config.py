@@ -54,6 +54,8 @@ class EngineConfig:
     # (auto: 16,384 tokens a forward in one process, 4 chunks at the default chunk; BENCHMARKS.md, Long
     # prefill: a cold 62.7K prompt 1.14x, four 16K prompts 1.20x, 1K prompts 1.40x; with pipeline stages one)
     prefill_batch_chunks: int | str = "auto"
+    # prompt chunks a step runs while it also decodes (auto: one in one process; with stages all of a step's)
+    prefill_chunks_beside_decodes: int | str = "auto"
     stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
     pipeline_windows: bool = False  # front stages run the MTP-guessed next window while the last verifies
@@ -177,6 +179,11 @@ class EngineConfig:
                 "prefill_batch_chunks > 1 runs several prompt chunks in one forward of one process; with "
                 "pipeline stages a step's chunks overlap across the stages (--pipeline-prefill-chunks)"
             )
+        beside = self.prefill_chunks_beside_decodes
+        if beside != "auto" and (
+            not isinstance(beside, int) or isinstance(beside, bool) or not 1 <= beside <= 64
+        ):
+            raise ConfigError(f"prefill_chunks_beside_decodes must be 'auto' or in 1..64, got {beside!r}")
         if self.stage_transport not in ("auto", "nccl", "host", "shm"):
             raise ConfigError(
                 f"stage_transport must be auto, nccl, host or shm, got {self.stage_transport!r}"
@@ -251,6 +258,15 @@ class EngineConfig:
             return batch
         chunks = self.pipeline_prefill_chunks
         return self.pipeline_stages if chunks == "auto" else chunks
+
+    def prefill_chunks_with_decodes(self) -> int:
+        """Prompt chunks a step that also decodes runs at most: prefill_chunks_beside_decodes (auto: one in
+        one process, where a step is one forward; with pipeline stages a step's chunks keep the stages
+        busy, so all of them), never more than `prefill_chunks_per_step`."""
+        beside = self.prefill_chunks_beside_decodes
+        if beside == "auto":
+            beside = 1 if self.pipeline_stages == 1 else self.prefill_chunks_per_step()
+        return min(beside, self.prefill_chunks_per_step())
 
     def prefill_forward_chunks(self) -> int:
         """Prompt chunks one forward may run together (FlashNext.forward_chunks): a step's chunks in one

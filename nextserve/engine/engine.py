@@ -120,6 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, self.slots, config.prefill_chunk, config.max_pending, self.prefix, proposer,
             kv_lag=lag, swapper=swapper, lookahead=lookahead, prefill_chunks=config.prefill_chunks_per_step(),
+            prefill_chunks_beside_decodes=config.prefill_chunks_with_decodes(),
             guess_windows=config.pipeline_windows,
         )  # fmt: skip
         if stages > 1:

@@ -34,6 +34,7 @@ class Scheduler:
         lookahead: int = 1,
         prefill_chunks: int = 1,
         guess_windows: bool = False,
+        prefill_chunks_beside_decodes: int | None = None,
     ) -> None:
         """`prefill_chunks`: prompt chunks a step runs at most (one process: in one forward, each computed
         as alone; pipeline stages run a step's items one after another, each passed on as soon as it is
@@ -42,10 +43,13 @@ class Scheduler:
         drafting). `lookahead`: positions past a decode chunk's end that the step may write (a verify
         window's drafts, the MTP block's chain, pipeline decode rounds, a guessed window), reserved with
         it. `guess_windows`: a sequence decoding alone also gets the guess of its next window
-        (--pipeline-windows: `_guess`)."""
+        (--pipeline-windows: `_guess`). `prefill_chunks_beside_decodes`: prompt chunks a step runs at most
+        while it also decodes (None: `prefill_chunks`)."""
         self.pool, self.slots, self.prefix, self.proposer, self.kv_lag = pool, slots, prefix, proposer, kv_lag
         self.prefill_chunk, self.max_pending, self.lookahead = prefill_chunk, max_pending, lookahead
         self.prefill_chunks, self.guess_windows = prefill_chunks, guess_windows
+        beside = prefill_chunks_beside_decodes
+        self.beside_decodes = prefill_chunks if beside is None else min(beside, prefill_chunks)
         self.swapper = swapper or Swapper(pool, slots, kv_lag, max_bytes=1 << 62)
         self.margin = pool.page_size  # decode room admission reserves past the prompt
         self.waiting: deque[Sequence] = deque()
@@ -113,14 +117,21 @@ class Scheduler:
         return cache
 
     def schedule(self) -> StepPlan:
+        """The next step: every running sequence's decode token (or verify window) first, then prompt
+        chunks, fewer of them in a step that decodes (`prefill_chunks_beside_decodes`).
+
+        # NOTE: decodes first, so a long prompt arriving beside running decodes holds each of their steps
+        # for `prefill_chunks_beside_decodes` chunks, not a whole forward of `prefill_chunks`: a prompt's
+        # chunks compute the same bits however many run in a step (C1), only its TTFT grows."""
         self._admit()
         plan = StepPlan()
         stalled: list[Chunk] = []
+        prefilling = []
         for seq in list(self.running):
             if seq.cache is None:  # preempted while this plan was made
                 continue
             if seq.in_prefill:
-                self._prefill_chunks(seq, plan)
+                prefilling.append(seq)
                 continue
             if seq.num_computed >= seq.token_budget() - 1:
                 # NOTE: only with async scheduling: its last token is still on the device (pending) and
@@ -134,6 +145,10 @@ class Scheduler:
                 stalled.append(chunk)
             elif grown:
                 (plan.verifies if drafts else plan.decodes).append(chunk)
+        limit = self.beside_decodes if plan.decodes or plan.verifies else self.prefill_chunks
+        for seq in prefilling:
+            if seq.cache is not None:  # (not preempted for a decode's pages)
+                self._prefill_chunks(seq, plan, limit)
         if stalled and plan.empty:
             # NOTE: nothing else can run, so nothing would ever free pages: preempt past the host budget
             chunk = stalled[0]
@@ -153,8 +168,8 @@ class Scheduler:
         if len(ch.drafts) == self.proposer.k:  # (the limit is the drafts' and the guess's together)
             ch.guess = tuple(self.proposer.guess(ch.seq, _draft_limit(ch.seq)))
 
-    def _prefill_chunks(self, seq: Sequence, plan: StepPlan) -> None:
-        """Add seq's next prompt chunks to the plan, up to `prefill_chunks` a step in all.
+    def _prefill_chunks(self, seq: Sequence, plan: StepPlan, limit: int) -> None:
+        """Add seq's next prompt chunks to the plan, up to `limit` a step in all.
 
         # NOTE: chunks lie on the grid of multiples of prefill_chunk from position 0 (C1). With several
         # a step (one process: one forward computing each as alone; pipeline stages: chunk i + 1 runs on
@@ -162,7 +177,7 @@ class Scheduler:
         # chunks stops at its first image point, since an image is the state a step leaves
         # (engine._keep_image snapshots after the step)."""
         start, n = seq.num_computed, len(seq.prompt_ids)
-        while len(plan.prefills) < self.prefill_chunks and start < n:
+        while len(plan.prefills) < limit and start < n:
             end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, n)
             plan.prefills.append(Chunk(seq, start, end, sample=end == n))
             if end in seq.image_points:

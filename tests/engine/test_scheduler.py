@@ -268,3 +268,46 @@ def test_several_prompt_chunks_a_step_stop_at_image_points(oracle_llm) -> None:
     ]
     for rid in (a, b):
         eng.abort(rid)
+
+
+def test_a_step_that_decodes_runs_fewer_prompt_chunks(oracle_llm) -> None:
+    """Decodes first: a long prompt beside a decoding sequence gets `prefill_chunks_beside_decodes` chunks
+    a step (auto: one in one process), alone all of `prefill_chunks`; the outputs are those of one request
+    at a time (C1)."""
+    from nextserve.config import ConfigError
+    from nextserve.engine_config import EngineConfig
+
+    assert EngineConfig(prefill_batch_chunks=4).prefill_chunks_with_decodes() == 1
+    assert (
+        EngineConfig(prefill_batch_chunks=4, prefill_chunks_beside_decodes=9).prefill_chunks_with_decodes()
+        == 4
+    )
+    assert EngineConfig(pipeline_stages=3).prefill_chunks_with_decodes() == 3
+    for bad in (0, 65, True, "one"):
+        with pytest.raises(ConfigError, match="prefill_chunks_beside_decodes must be"):
+            EngineConfig(prefill_chunks_beside_decodes=bad)
+    llm = oracle_llm(prefill_chunk=16, max_concurrency=2, prefill_batch_chunks=4, prefix_cache=False)
+    eng, sched = llm.engine, llm.engine.scheduler
+    assert (sched.prefill_chunks, sched.beside_decodes) == (4, 1)
+    short = eng.add_request(prompt(10, 5), SamplingParams(max_tokens=40, **GREEDY))
+    while not eng.sequences[short].output_ids:
+        eng.step()
+    long = eng.add_request(prompt(100, 6), SamplingParams(max_tokens=3, **GREEDY))
+    plan = sched.schedule()
+    assert len(plan.decodes) == 1 and [(ch.start, ch.end) for ch in plan.prefills] == [(0, 16)]
+    eng.abort(short)
+    plan = sched.schedule()  # the long prompt alone now
+    assert not plan.decodes and [(ch.start, ch.end) for ch in plan.prefills] == [
+        (0, 16),
+        (16, 32),
+        (32, 48),
+        (48, 64),
+    ]
+    eng.abort(long)
+    drive(eng)
+    prompts = [prompt(10, 5), prompt(100, 6)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    batched = oracle_llm(prefill_chunk=16, max_concurrency=2, prefill_batch_chunks=4)
+    together = batched.generate(prompts, params)
+    alone = [oracle_llm(prefill_chunk=16, max_concurrency=1).generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
