@@ -56,7 +56,7 @@ def doc_commands() -> list[str]:
 
 def test_benchmarks_has_about_a_dozen_tools_each_listed_in_its_readme() -> None:
     readme = (BENCH / "README.md").read_text()
-    assert 8 <= len(SCRIPTS) <= 16, SCRIPTS
+    assert 8 <= len(SCRIPTS) <= 20, SCRIPTS
     for script in SCRIPTS:
         assert f"`{script}`" in readme, f"{script} is not listed in benchmarks/README.md"
     for name in KERNELS:
@@ -142,8 +142,10 @@ def run_json(*argv: str) -> dict:
          "--max-prompt", "200", "--reply", "6", "--system", "64", "--stagger", "0.01",
          "--loaded-prompt", "150", "--device", "cpu", "--dtype", "float32", "--page-size", "16",
          "--prefill-chunk", "32", "--kv-capacity", "4096"],
+        ["benchmarks/rigs.py", "--layout", "B", "--modes", "serial", "decode groups", "--tokens", "4",
+         "--long", "64"],
     ],
-    ids=["bench_prefix", "bench_speculative", "mtp_acceptance", "agents_under_load"],
+    ids=["bench_prefix", "bench_speculative", "mtp_acceptance", "agents_under_load", "rigs"],
 )  # fmt: skip
 def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
     res = run_json(*argv)
@@ -153,6 +155,13 @@ def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
         # the cold side resumes nothing (it did while prefix reuse, on by default, was left on there)
         assert set(res["cold"]["cached_tokens"]) == {0} and res["prefix_reuse"]["cached_tokens"][1] > 0, res
         assert res["outputs_identical"] is True
+    if argv[0].endswith("rigs.py"):
+        # layout B's 8,8,17,15 of 48 layers on the default model's 8, each stage's card scaled to it
+        assert res["stage_layers"] == [1, 1, 4, 2] and len(res["stage_memory_gib"]) == 4, res
+        assert 0 < min(res["stage_memory_gib"]) and res["caps_applied"] is False
+        for mode in ("one process", "serial", "decode groups"):
+            row = res["modes"][mode]
+            assert row["outputs_equal"] == "4 of 4" and row["decode_4_tok_per_s"] > 0 and row["ttft_64_s"] > 0
     if argv[0].endswith("agents_under_load.py"):
         # 2 sessions, each until its prompt passes 200 tokens (96, then 32 + a reply of 3-9 more a turn)
         assert res["requests"] == 6 and set(res["ttft_by_turn"]) == {"1", "2", "3"}, res

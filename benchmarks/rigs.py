@@ -1,0 +1,160 @@
+"""The seed's rigs played on one machine: one stage process per card, all on one device, each capped at its
+card's memory, activations through host memory (no peer access), a table per pipeline mode.
+
+    python benchmarks/rigs.py --model /tmp/ref8 --layout A --device cuda --dtype bfloat16
+    python benchmarks/rigs.py --layout B --long 96 160      # the default model on the CPU, scaled down
+
+Layouts: A, a TITAN RTX (24 GB) and four RTX 3060 (12 GB), layers 8,8,8,8,16 of 48; B, two RTX 3060, a
+TITAN RTX and an RTX 3090 (12, 12, 24, 24 GB), layers 8,8,17,15 (the seed ran B with an 8-bit KV cache,
+which nextserve does not have yet: B runs 16-bit KV here). A model of fewer layers gets the same number of
+stages, each with its share of the layers (rounded, at least one, the largest stage taking what rounding
+left), and each card's memory scaled by the stage's parameters in this model over its parameters in the
+released model (48 layers) on that card: the stage is as full as the real card would be, in the same
+weight format. On the CPU the caps are only printed (a CPU has no per-process cap).
+
+Modes, each against one process decoding the same greedy requests: serial (one chunk in flight, one decode
+group), pipelined prefill (a step's chunks in flight on every stage), decode groups (two groups in flight),
+pipeline windows (MTP drafts, the front stages running the guessed next window; needs mtp.* weights). For
+each: outputs equal to one process's (n of n, token ids), decode tok/s at 1 and 4 requests (short prompts,
+--tokens each: the wall of a whole generate), TTFT of each --long prompt, and J/token of the 4-request run
+(NVML; none on the CPU). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve import LLM, SamplingParams  # noqa: E402
+from nextserve.bench.meters import EnergyMeter  # noqa: E402
+from nextserve.bench.model import bench_config  # noqa: E402
+from nextserve.bench.provenance import git_info, hardware  # noqa: E402
+from nextserve.config import ModelConfig  # noqa: E402
+from nextserve.engine_config import DEFAULT_MODEL  # noqa: E402
+from nextserve.model.shapes import expected_shapes  # noqa: E402
+from nextserve.runtime.pipeline import in_stage  # noqa: E402
+
+LAYOUTS = {  # (layers of the released model per stage, each card's GiB)
+    "A": ([8, 8, 8, 8, 16], [24, 12, 12, 12, 12]),
+    "B": ([8, 8, 17, 15], [12, 12, 24, 24]),
+}
+RELEASED_LAYERS = 48
+MODES = {
+    "serial": dict(pipeline_prefill_chunks=1),
+    "pipelined prefill": dict(pipeline_prefill_chunks="auto"),
+    "decode groups": dict(decode_groups=2),
+    "pipeline windows": dict(speculative_method="mtp", speculative_tokens=3, pipeline_windows=True),
+}
+
+
+def scaled_layers(real: list[int], layers: int) -> list[int]:
+    """Each stage's share of `layers`, as `real` splits RELEASED_LAYERS (rounded, at least one each)."""
+    assert layers >= len(real), f"{layers} layers cannot fill {len(real)} stages"
+    split = [max(1, round(r * layers / RELEASED_LAYERS)) for r in real]
+    split[split.index(max(split))] += layers - sum(split)
+    assert min(split) >= 1 and sum(split) == layers, split
+    return split
+
+
+def stage_parameters(cfg: ModelConfig, split: list[int]) -> list[int]:
+    """Parameters each stage of `split` holds (its layers; the first the embeddings, the last the head)."""
+    shapes = expected_shapes(cfg, with_mtp=False)
+    bounds = [0, *itertools.accumulate(split)]
+    return [
+        sum(math.prod(s) for n, s in shapes.items() if in_stage(n, range(lo, hi), cfg))
+        for lo, hi in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+def scaled_caps(cfg: ModelConfig, layout: str) -> tuple[list[int], list[float]]:
+    """(this model's stage layers, each card's GiB scaled as the module docstring says)."""
+    real_split, gib = LAYOUTS[layout]
+    split = scaled_layers(real_split, cfg.num_hidden_layers)
+    if cfg.num_hidden_layers == RELEASED_LAYERS:
+        return split, [float(g) for g in gib]
+    released, _ = bench_config("flash-next", layers=RELEASED_LAYERS)
+    ours, theirs = stage_parameters(cfg, split), stage_parameters(released, real_split)
+    return split, [round(g * a / b, 4) for g, a, b in zip(gib, ours, theirs, strict=True)]
+
+
+def measure(llm: LLM, want: list[list[int]], prompts: list[list[int]], args, device: str) -> dict:
+    greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+    row = {"outputs_equal": f"{sum(a == b for a, b in zip(got, want, strict=True))} of {len(want)}"}
+    meter = EnergyMeter(torch.device(device))
+    for n in (1, 4):
+        mj = meter.read_mj()
+        t0 = time.perf_counter()
+        llm.generate(prompts[:n], greedy)
+        wall = time.perf_counter() - t0
+        row[f"decode_{n}_tok_per_s"] = round(n * args.tokens / wall, 2)
+        end = meter.read_mj()
+        if n == 4:
+            joules = None if mj is None or end is None else (end - mj) / 1e3
+            row["J_per_token_4"] = None if joules is None else round(joules / (4 * args.tokens), 4)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    for length in args.long:
+        prompt = torch.randint(100, 2000, (length,), generator=g).tolist()
+        t0 = time.perf_counter()
+        llm.generate([prompt], first)
+        row[f"ttft_{length}_s"] = round(time.perf_counter() - t0, 4)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="A")
+    ap.add_argument("--device", default="cpu", help="cpu, or one cuda device every stage shares")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens a request")
+    ap.add_argument("--long", type=int, nargs="*", default=[33000, 62700], help="prompts timed to 1st token")
+    ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dir(args.model)
+    split, caps = scaled_caps(cfg, args.layout)
+    stages = len(split)
+    cuda = args.device.startswith("cuda")
+    index = (torch.device(args.device).index or 0) if cuda else 0
+    flags = dict(device=args.device, dtype=args.dtype, max_concurrency=4, skip_tokenizer=True,
+                 max_context=max([*args.long, 256]) + args.tokens + 64)  # fmt: skip
+    stage_flags = dict(pipeline_stages=stages, stage_layers=",".join(map(str, split)), stage_transport="host",
+                       pipeline_devices=",".join([str(index)] * stages) if cuda else None)  # fmt: skip
+    if cuda:
+        stage_flags["stage_memory_gib"] = ",".join(map(str, caps))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 2000, (24 + 8 * i,), generator=g).tolist() for i in range(4)]
+    one = LLM(args.model, **flags)
+    greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in one.generate(prompts, greedy)]
+    table = {"one process": measure(one, want, prompts, args, args.device)}
+    one.close()
+    for mode in args.modes:
+        try:
+            llm = LLM(args.model, **flags, **stage_flags, **MODES[mode])
+        except Exception as exc:  # noqa: BLE001 - a mode the model cannot run is reported, not fatal
+            table[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        try:
+            table[mode] = measure(llm, want, prompts, args, args.device)
+        finally:
+            llm.close()
+    out = {"benchmark": "rigs", "git": git_info(args.revision), "hardware": hardware(args.device),
+           "command": " ".join(["python", *sys.argv]), "layout": args.layout, "stage_layers": split,
+           "stage_memory_gib": caps, "caps_applied": cuda, "kv": "16-bit", "modes": table}  # fmt: skip
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
