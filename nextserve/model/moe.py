@@ -7,7 +7,7 @@ from ..config import ModelConfig
 from ..ops.fp8 import Fp8Weight
 from ..ops.int4 import Int4Weight
 from ..ops.linear import linear
-from ..ops.moe import experts, experts_of_chunks, route
+from ..ops.moe import experts, experts_of_chunks, route, weight_form
 from ..ops.pointwise import sigmoid_gate, silu_mul
 from .params import Projection, fuse_rows, operand_of, project
 
@@ -86,9 +86,10 @@ class SparseMoe(nn.Module):
             fused = router if isinstance(router, Fp8Weight) else router[: E + 1], self.shared_gate_up
         else:
             return None
-        kinds = {type(w) for w in (fused[1], self.shared_expert.down_proj.operand)}
-        kinds |= {type(w) for w in (self.experts.gate_up, self.experts.down)}
-        kinds = {torch.Tensor if issubclass(k, torch.Tensor) else k for k in kinds}  # (a Parameter is one)
+        ex = self.experts
+        kinds = {
+            weight_form(w) for w in (fused[1], self.shared_expert.down_proj.operand, ex.gate_up, ex.down)
+        }
         return fused if len(kinds) == 1 else None
 
     def forward(self, u: torch.Tensor, ri: bool) -> torch.Tensor:

@@ -9,6 +9,13 @@ from .pointwise import rowwise
 from .triton import use_kernel
 
 
+def weight_form(w) -> type:
+    """The form the ops read weight w in (a tensor, an Fp8Weight, an Int4Weight): routed experts with a
+    device cache (ops/cached_experts.py) are read in their host form, slot by slot."""
+    w = w.host if isinstance(w, CachedExperts) else w
+    return torch.Tensor if isinstance(w, torch.Tensor) else type(w)
+
+
 def default_block_m(pairs: int, num_experts: int) -> int:
     """The grouped prefill kernel's BLOCK_M (ops/triton/moe_grouped.py) for n (token, expert) pairs over E
     experts: about the mean pairs per expert, 16 to 64 (the MMA rows of a mostly empty block are wasted;

@@ -175,3 +175,27 @@ def test_the_flag_parses_numbers_and_auto() -> None:
         assert engine_config_from_args(args).expert_cache_gib == want
     plan = MemoryPlan(torch.device("cpu"), expert_cache=(3, 48, 2**30))
     assert "expert cache: 3 experts x 48 layers = 1.00 GiB" in plan.table()
+
+
+def test_a_cache_keeps_the_shared_expert_riding_the_routed_kernels() -> None:
+    """A layer whose shared expert has the routed experts' width runs it as one more routed expert in
+    decode (SparseMoe._decode); with a cache it still does (the same launches as without, so the same bits
+    on a GPU), and its output is the uncached one's."""
+    import dataclasses
+
+    from nextserve.bench.model import bench_config
+    from nextserve.model.moe import SparseMoe
+
+    cfg, _ = bench_config("tiny")
+    cfg = dataclasses.replace(cfg, shared_expert_intermediate_size=cfg.moe_intermediate_size)
+    torch.manual_seed(0)
+    moe = SparseMoe(cfg)
+    for p in moe.parameters():
+        p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    moe.fuse()
+    u = torch.randn(3, cfg.hidden_size)
+    assert moe._decode_weights() is not None
+    want = moe(u, True)
+    ExpertCache(nn.ModuleList([moe]), 2, torch.device("cpu"))
+    assert isinstance(moe.experts.gate_up, CachedExperts) and moe._decode_weights() is not None
+    assert torch.equal(moe(u, True), want)
