@@ -112,7 +112,7 @@ class ExpertCache:
         self.expert_bytes = expert_bytes(self.layers[0].gate_up.host) + expert_bytes(self.layers[0].down.host)
         cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if cuda else None
-        self.snapshot = torch.empty_like(self.counts, device="cpu", pin_memory=cuda)
+        self.snapshot = torch.empty(self.counts.shape, dtype=torch.int32, pin_memory=cuda)
         self.snapshot_done: torch.cuda.Event | None = None
         self.fills_done: torch.cuda.Event | None = None
         self.hits = self.misses = self.fills = self.link_bytes = 0
