@@ -65,7 +65,7 @@ class EngineConfig:
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
     ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
     experts: str = "device"  # where the routed experts live: device, host (pinned), auto (host if no room)
-    expert_cache_gib: float | str = "auto"  # device cache of host-held experts (engine/expert_cache.py)
+    expert_cache_gib: float | str = "auto"  # device cache of host-held experts (runtime/expert_cache.py)
     warm_up: bool = True  # compile every kernel specialisation at start, before serving (GPU only)
     compile_cache_dir: str | None = None  # Triton's compile cache (a restart then compiles nothing)
 

@@ -26,7 +26,7 @@ from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
-from .expert_cache import ExpertCache, cache_slots
+from ..runtime.expert_cache import ExpertCache, cache_slots
 from .memory_plan import MemoryPlan, headroom_bytes, held_tensor_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
@@ -85,7 +85,7 @@ def build_expert_cache(
     config: EngineConfig, cfg: ModelConfig, model: FlashNext, plan: MemoryPlan, device: torch.device,
     dtype: torch.dtype,
 ) -> ExpertCache | None:  # fmt: skip
-    """The device cache of the routed experts held in host memory (engine/expert_cache.py), sized before
+    """The device cache of the routed experts held in host memory (runtime/expert_cache.py), sized before
     the KV pool (which takes what it leaves), or None: experts on the device, or a size of no expert. On the
     CPU backend, whose host is its device, --experts host with --expert-cache-gib runs the mechanism alone
     (tests)."""

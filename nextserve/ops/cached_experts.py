@@ -6,7 +6,7 @@ and `cache` [C, N, K] of the same form on the device; `slot[e]` (int32, on the d
 holding expert e, or -1. The kernels read an expert from its slot when it has one, else from host memory
 over the bus, so a decode step stays one CUDA graph whatever the cache holds. `counts` (int32, [2, E + 1],
 the shared expert last) adds up, since the owner last read it, the (row, expert) pairs routed to each expert
-and the calls that read it (engine/expert_cache.py, which fills and evicts slots between steps).
+and the calls that read it (runtime/expert_cache.py, which fills and evicts slots between steps).
 
 # NOTE: a slot holds exactly its expert's host values (a copy), and the kernels compute from the values
 # they load the same way wherever they load them from, so a cached expert gives the bits of the host one

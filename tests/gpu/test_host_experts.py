@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_cases import OVERRIDES, run
 
-from nextserve.engine.expert_cache import moe_owners
+from nextserve.runtime.expert_cache import moe_owners
 from nextserve.model.make_model import make_model
 from nextserve.ops.cached_experts import expert_bytes
 

@@ -1,4 +1,4 @@
-"""The device expert cache of host-held routed experts (engine/expert_cache.py): with any cache size the
+"""The device expert cache of host-held routed experts (runtime/expert_cache.py): with any cache size the
 engine gives the tokens and logprobs of all experts on the device (C1), greedy and seeded, batched and
 speculating; the policy's fills, evictions, admission and accounting; its flag's bad values.
 
@@ -15,7 +15,7 @@ from torch import nn
 from nextserve import LLM, SamplingParams
 from nextserve.cli import build_parser, engine_config_from_args
 from nextserve.config import ConfigError
-from nextserve.engine.expert_cache import FILLS_PER_READ, ExpertCache
+from nextserve.runtime.expert_cache import FILLS_PER_READ, ExpertCache
 from nextserve.engine.memory_plan import MemoryPlan
 from nextserve.engine_config import DEFAULT_MODEL, EngineConfig
 from nextserve.model.params import operand_of
