@@ -107,10 +107,10 @@ class EngineConfig:
             raise ConfigError(f"ple_table must be auto, device or host, got {self.ple_table!r}")
         if self.experts not in ("auto", "device", "host"):
             raise ConfigError(f"experts must be auto, device or host, got {self.experts!r}")
-        if self.experts != "device" and self.pipeline_stages > 1:
+        if self.experts == "auto" and self.pipeline_stages > 1:
             raise ConfigError(
-                "experts host or auto places one process's routed experts; with pipeline stages each stage "
-                "would place its own, which is not there yet"
+                "experts auto places one process's routed experts by its memory plan; with pipeline stages "
+                "say experts host (every stage's in host memory) or device"
             )
         self._check_expert_cache()
         if self.quantization not in ("auto", "fp8", "int4", "none"):
@@ -258,6 +258,12 @@ class EngineConfig:
             return batch
         chunks = self.pipeline_prefill_chunks
         return self.pipeline_stages if chunks == "auto" else chunks
+
+    def stage_expert_cache_gib(self) -> float:
+        """Each pipeline stage's device expert cache: expert_cache_gib with experts host (auto: none, a
+        stage's memory being the stage's own), else 0."""
+        gib = self.expert_cache_gib
+        return float(gib) if self.experts == "host" and gib != "auto" else 0.0
 
     def prefill_chunks_with_decodes(self) -> int:
         """Prompt chunks a step that also decodes runs at most: prefill_chunks_beside_decodes (auto: one in

@@ -15,6 +15,7 @@ from ..config import ConfigError, ModelConfig
 from ..engine_config import EngineConfig
 from ..model.flash_next import FlashNext
 from ..runtime.device_memory import cap_device_memory
+from ..runtime.expert_cache import ExpertCache, slots_for_gib
 from ..runtime.pipeline import PipelineRunner, build_stage
 from ..runtime.runner import ChunkResult, LaunchedStep, ModelRunner
 from ..runtime.windows import plain_greedy
@@ -95,8 +96,10 @@ class LLMEngine:
         if stages > 1:
             self.model, self.pool, self.slots = build_stage(
                 config.model, cfg, ranges[0], self.dtype, config.state_slots, num_pages, config.page_size,
-                self.device, self.max_context, steps, config.quantization,
+                self.device, self.max_context, steps, config.quantization, config.experts == "host",
             )  # fmt: skip
+            if cache_slots := slots_for_gib(self.model, config.stage_expert_cache_gib()):
+                self.expert_cache = ExpertCache(self.model, cache_slots, self.device)
         else:
             self.model.prepare(self.max_context)
             self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)

@@ -21,12 +21,12 @@ from ..model.loader import check_readable, load_module, meta_device
 from ..model.mtp import MTP
 from ..ops.pdl import pdl_mode
 from ..runtime.device_memory import free_bytes
+from ..runtime.expert_cache import ExpertCache, cache_slots
 from ..runtime.graph_runner import GraphRunner
 from ..runtime.mtp_runner import load_mtp
 from ..runtime.pipeline import StageNeeds, stage_layers
 from ..runtime.runner import ModelRunner
 from ..runtime.stage_launch import torchrun_rank
-from ..runtime.expert_cache import ExpertCache, cache_slots
 from .memory_plan import MemoryPlan, headroom_bytes, held_tensor_bytes, module_bytes, plan_memory, state_plan
 from .speculative import MtpProposer, NgramProposer
 
@@ -214,7 +214,17 @@ def kv_capacity(
         ranges, devices, steps = stages
         mtp = config.speculative_method == "mtp"
         held = held_tensor_bytes(config, cfg, device, dtype, mtp)
-        need = StageNeeds(cfg, dtype, config.state_slots, steps, mtp, config.head_embedding, held)
+        need = StageNeeds(
+            cfg,
+            dtype,
+            config.state_slots,
+            steps,
+            mtp,
+            config.head_embedding,
+            held,
+            config.experts == "host",
+            config.stage_expert_cache_gib(),
+        )
         caps = config.stage_memory_caps()
         images = prefix_images(config, need.kv_tokens(ranges, devices, headroom, caps) * per_token, slot)
         tokens = need.kv_tokens(ranges, devices, headroom + images * slot, caps)

@@ -55,26 +55,35 @@ def cache_slots(config: EngineConfig, model: nn.Module, device: torch.device, re
     them. auto: the device's free memory (under --gpu-memory-gib) less `reserve` bytes (the headroom and
     one sequence of KV: the pool is sized after the cache), none on the CPU. A given size too small for one
     expert a layer is a ConfigError naming the least that works."""
-    owners = moe_owners(model)
-    if not owners:
-        return 0
-    E = owners[0].gate_up.shape[0]
-    one = expert_bytes(owners[0].gate_up) + expert_bytes(owners[0].down)
-    per_slot = one * len(owners)  # one more expert in every layer
     gib = config.expert_cache_gib
-    if gib == "auto":
-        if device.type != "cuda":
-            return 0
-        return max(0, min(E, (free_bytes(device, config.gpu_memory_gib) - reserve) // per_slot))
-    if gib == 0:
+    if gib != "auto":
+        return slots_for_gib(model, gib)
+    owners = moe_owners(model)
+    if not owners or device.type != "cuda":
         return 0
+    E, per_slot = owners[0].gate_up.shape[0], _slot_bytes(owners)
+    return max(0, min(E, (free_bytes(device, config.gpu_memory_gib) - reserve) // per_slot))
+
+
+def slots_for_gib(model: nn.Module, gib: float) -> int:
+    """Experts a layer's cache of `gib` GiB over all of `model`'s MoE layers holds (at most all of them); a
+    size of no expert (but not 0) is a ConfigError naming the least that works."""
+    owners = moe_owners(model)
+    if not owners or gib == 0:
+        return 0
+    per_slot = _slot_bytes(owners)
     slots = int(gib * GiB // per_slot)
     if slots < 1:
         raise ConfigError(
             f"expert_cache_gib {gib} holds no expert: one expert in each of the {len(owners)} MoE layers "
             f"takes {per_slot / GiB:.3f} GiB"
         )
-    return min(E, slots)
+    return min(owners[0].gate_up.shape[0], slots)
+
+
+def _slot_bytes(owners: list[nn.Module]) -> int:
+    """Bytes of one more expert in every MoE layer."""
+    return (expert_bytes(owners[0].gate_up) + expert_bytes(owners[0].down)) * len(owners)
 
 
 @dataclass

@@ -43,6 +43,7 @@ from .stage_mtp import mtp_work, receive_drafts
 from .stage_transport import make_transport
 from .stage_worker import DecodeWork, PrefillWork, StageStep, StageWorker, WindowsWork, on_device
 
+EXPERTS = ".mlp.experts."  # in the runtime names of routed expert stacks
 log = logging.getLogger("nextserve.pipeline")
 FAILED = "RuntimeError: the forward failed in a pipeline stage (its log has the traceback)"
 
@@ -70,16 +71,18 @@ def stage_layers(num_layers: int, stages: int, counts: list[int] | None = None) 
 def build_stage(
     model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
     page_size: int, device: torch.device | str = "cpu", max_context: int | None = None, window_steps: int = 0,
-    quantization: str = "auto",
+    quantization: str = "auto", experts_host: bool = False,
 ) -> tuple[FlashNext, KVPool, StateSlots]:  # fmt: skip
-    """One stage's layers (with their weights only), state slots (with `window_steps` keep slots each: the
-    speculative tokens per verify window) and KV pool."""
+    """One stage's layers (with their weights only; with `experts_host` its routed experts in pinned host
+    memory on a GPU), state slots (with `window_steps` keep slots each: the speculative tokens per verify
+    window) and KV pool."""
     last = layers.stop == cfg.num_hidden_layers
     with meta_device():
         model = FlashNext(cfg, layers)
+    host = frozenset(n for n in expected_shapes(cfg) if EXPERTS in n and in_stage(n, layers, cfg))
     load_module(
         model, model_dir, cfg, dtype, torch.device(device), layers=layers, with_embed=layers.start == 0,
-        with_head=last, quantization=quantization,
+        with_head=last, quantization=quantization, host=host if experts_host else frozenset(),
     )  # fmt: skip
     model.eval().prepare(max_context)
     kinds = KindRange.of(cfg, layers)
@@ -110,6 +113,8 @@ class StageNeeds:
     mtp: bool = False
     head_embedding: str = "device"
     held: dict[str, int] | None = None  # each tensor's bytes as loaded (memory_plan.held_tensor_bytes)
+    experts_host: bool = False  # the routed experts in host memory: none of their bytes on the GPU
+    expert_cache_gib: float = 0.0  # each stage's device cache of them
 
     def bytes_and_kv_per_token(self, layers: range) -> tuple[int, int]:
         """(bytes of the stage's weights and state slots, bytes per token of its KV planes). Weights count as
@@ -120,13 +125,16 @@ class StageNeeds:
         held = self.held or {}
 
         def size(name: str) -> int:
+            if self.experts_host and EXPERTS in name and name.startswith("layers."):
+                return 0
             return held.get(name, math.prod(shapes[name]) * elem)
 
         weights = sum(size(name) for name in shapes if in_stage(name, layers, cfg))
         if self.mtp and self.head_embedding == "device" and layers.stop == cfg.num_hidden_layers:
             weights += math.prod(shapes["embed_tokens.weight"]) * elem
         slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + self.num_slots * (1 + self.window_steps))
-        return weights + slots, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
+        cache = int(self.expert_cache_gib * 2**30)
+        return weights + slots + cache, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
 
     def kv_tokens(
         self, ranges: list[range], devices: list[torch.device], headroom: int, caps: list[float] | None = None
@@ -178,7 +186,8 @@ class PipelineRunner(StageWorker):
                        pool.page_size, rank, len(stages), port, torch.get_num_threads(), str(devices[rank]),
                        kind, config.pdl, max_context, config.cuda_graph, slots.window_steps,
                        config.quantization, mtp_tokens(config), config.head_embedding, arena_mib,
-                       None if caps is None else caps[rank])
+                       None if caps is None else caps[rank], config.experts == "host",
+                       config.stage_expert_cache_gib())
             for rank in range(1, len(stages))
         ]  # fmt: skip
         channel, self.procs = start_stages(setups, port)

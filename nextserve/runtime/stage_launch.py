@@ -52,6 +52,8 @@ class StageSetup:
     head_embedding: str = "device"  # where that block's token embeddings live (EngineConfig)
     host_arena_mib: int = 0  # pinned host memory locked at start for its share of host images (0: none)
     memory_gib: float | None = None  # this stage's GPU memory cap (--stage-memory-gib; None: none)
+    experts_host: bool = False  # its routed experts in pinned host memory (--experts host)
+    expert_cache_gib: float = 0.0  # its device cache of them (--expert-cache-gib; 0: none)
 
 
 @wire_type
@@ -79,6 +81,8 @@ class RankSetup:
     head_embedding: str
     host_arena_mib: int
     memory_gib: float | None = None
+    experts_host: bool = False
+    expert_cache_gib: float = 0.0
 
     @classmethod
     def of(cls, s: StageSetup) -> RankSetup:
@@ -86,7 +90,8 @@ class RankSetup:
         return cls(os.path.abspath(s.model_dir), s.layers.start, s.layers.stop, dtype, s.num_slots,
                    s.num_pages, s.page_size, s.threads, torch.device(s.device).type, s.transport, s.pdl,
                    s.max_context, s.cuda_graph, s.window_steps, s.quantization, s.mtp_tokens,
-                   s.head_embedding, s.host_arena_mib, s.memory_gib)  # fmt: skip
+                   s.head_embedding, s.host_arena_mib, s.memory_gib, s.experts_host,
+                   float(s.expert_cache_gib))  # fmt: skip
 
     def stage_setup(self, rank: int, world: int, local_rank: int) -> StageSetup:
         device = f"cuda:{local_rank}" if self.device_type == "cuda" else "cpu"
@@ -95,6 +100,7 @@ class RankSetup:
             DTYPES[self.dtype], self.num_slots, self.num_pages, self.page_size, rank, world, 0, self.threads,
             device, self.transport, self.pdl, self.max_context, self.cuda_graph, self.window_steps,
             self.quantization, self.mtp_tokens, self.head_embedding, self.host_arena_mib, self.memory_gib,
+            self.experts_host, self.expert_cache_gib,
         )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import torch
 
 from ..cache.pinned_arena import PinnedArena
 from .device_memory import cap_device_memory
+from .expert_cache import ExpertCache, slots_for_gib
 from .mtp_runner import load_head_embedding, load_mtp
 from .pipeline import build_stage
 from .stage_channel import StageChannel
@@ -46,6 +47,7 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
     model, pool, slots = build_stage(
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
         setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,
+        setup.experts_host,
     )  # fmt: skip
     if device.type == "cuda" and setup.host_arena_mib:
         pool.host_arena = PinnedArena(setup.host_arena_mib * 2**20)  # (full: a copy pins its own)
@@ -54,6 +56,9 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
         mtp = load_mtp(setup.model_dir, setup.cfg, setup.dtype, device, setup.quantization)
         host = setup.head_embedding == "host"
         embed = load_head_embedding(setup.model_dir, setup.cfg, setup.dtype, device, host)
+    cache = None
+    if setup.experts_host and (cache_slots := slots_for_gib(model, setup.expert_cache_gib)):
+        cache = ExpertCache(model, cache_slots, device)  # (before the graphs capture the experts' operands)
     transport = make_transport(setup.transport, channel, device)
     worker = StageWorker(
         model, pool, slots, channel, transport, device, setup.pdl, mtp, setup.mtp_tokens, embed
@@ -72,6 +77,8 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
         if step is None:
             break
         worker.run(step, setup.dtype)
+        if cache is not None:
+            cache.step()
     if torchrun:  # the driver waits for this before it ends (and with it, maybe, the store)
         channel.send(torch.ones(1, dtype=torch.int8), 0)
         channel.flush()

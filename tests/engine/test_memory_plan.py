@@ -89,8 +89,24 @@ def test_experts_flag_values() -> None:
     for bad in ("disk", "", None, 1):
         with pytest.raises(ConfigError, match="experts must be"):
             EngineConfig(experts=bad)
-    with pytest.raises(ConfigError, match="pipeline stages"):
-        EngineConfig(experts="host", pipeline_stages=2)
+    with pytest.raises(ConfigError, match="with pipeline stages say experts host"):
+        EngineConfig(experts="auto", pipeline_stages=2)
+    staged = EngineConfig(experts="host", pipeline_stages=2, expert_cache_gib=1.5)
+    assert staged.stage_expert_cache_gib() == 1.5
+    assert EngineConfig(experts="host", pipeline_stages=2).stage_expert_cache_gib() == 0.0  # (auto: none)
+
+
+def test_stage_needs_count_host_experts_off_the_gpu_and_the_cache_on_it() -> None:
+    from nextserve.engine_config import DEFAULT_MODEL
+    from nextserve.runtime.pipeline import StageNeeds
+
+    cfg = ModelConfig.from_dir(DEFAULT_MODEL)
+    device = StageNeeds(cfg, torch.float32, 4, 0).bytes_and_kv_per_token(range(0, 4))
+    host = StageNeeds(cfg, torch.float32, 4, 0, experts_host=True).bytes_and_kv_per_token(range(0, 4))
+    experts = 4 * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # 4 layers, float32
+    assert device[0] - host[0] == experts and device[1] == host[1]
+    cached = StageNeeds(cfg, torch.float32, 4, 0, experts_host=True, expert_cache_gib=0.5)
+    assert cached.bytes_and_kv_per_token(range(0, 4))[0] == host[0] + GiB // 2
 
 
 def _cuda_plan(monkeypatch, tmp_path, free_gib: float, **flags):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_cases import OVERRIDES, run
 
-from nextserve.runtime.expert_cache import moe_owners
 from nextserve.model.make_model import make_model
 from nextserve.ops.cached_experts import expert_bytes
+from nextserve.runtime.expert_cache import moe_owners
 
 pytestmark = [
     pytest.mark.gpu,

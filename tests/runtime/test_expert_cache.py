@@ -15,11 +15,11 @@ from torch import nn
 from nextserve import LLM, SamplingParams
 from nextserve.cli import build_parser, engine_config_from_args
 from nextserve.config import ConfigError
-from nextserve.runtime.expert_cache import FILLS_PER_READ, ExpertCache
 from nextserve.engine.memory_plan import MemoryPlan
 from nextserve.engine_config import DEFAULT_MODEL, EngineConfig
 from nextserve.model.params import operand_of
 from nextserve.ops.cached_experts import CachedExperts
+from nextserve.runtime.expert_cache import FILLS_PER_READ, ExpertCache
 
 FLAGS = dict(device="cpu", dtype="float32", prefill_chunk=32, page_size=16, kv_capacity=4096)
 SLOT_GIB = 8 * 3 * 256 * 128 * 4 / 2**30  # one float32 expert (gate|up and down) in each of 8 layers
@@ -52,27 +52,31 @@ def serial():
         dict(
             expert_cache_gib=SLOT_GIB * 8, max_concurrency=3, speculative_method="ngram", speculative_tokens=3
         ),
+        dict(expert_cache_gib=SLOT_GIB * 1.01, max_concurrency=3, pipeline_stages=2, stage_layers="3,5"),
     ],
-    ids=["one slot", "batched", "mtp", "ngram, every expert"],
+    ids=["one slot", "batched", "mtp", "ngram, every expert", "two stages"],
 )
 def test_any_cache_gives_the_tokens_of_device_experts(serial, flags, one_torch_thread) -> None:
     prompts, want = serial
     llm = LLM(DEFAULT_MODEL, experts="host", **(FLAGS | flags))
-    cache = llm.engine.expert_cache
-    assert cache is not None and cache.slots == min(8, int(flags["expert_cache_gib"] / SLOT_GIB))
+    cache = llm.engine.expert_cache  # (with stages: stage 0's, in the driver; each stage has its own)
+    layers = 3 if "stage_layers" in flags else 8  # the MoE layers it covers
+    assert cache is not None and cache.slots == min(8, int(flags["expert_cache_gib"] / SLOT_GIB * 8 / layers))
     assert isinstance(llm.engine.model.layers["0"].mlp.experts.gate_up, CachedExperts)
     for i, p in enumerate(PARAMS):
         same(want[i], llm.generate(prompts, p))
     s = llm.stats()
     assert s["expert_cache_fills"] >= cache.slots and s["expert_cache_hits"] > 0, s
-    assert s["expert_cache_slots"] == 8 * cache.slots
+    assert s["expert_cache_slots"] == layers * cache.slots
     for ly in cache.layers:  # the slot table names exactly the experts the slots hold
         for e, c in enumerate(ly.gate_up.slot.tolist()):
             assert (c >= 0) == (e in ly.held) and (c < 0 or ly.held[c] == e)
             if c >= 0:
                 assert torch.equal(ly.gate_up.cache[c], ly.gate_up.host[e])
                 assert torch.equal(ly.down.cache[c], ly.down.host[e])
-    assert f"expert cache: {cache.slots} experts x 8 layers" in llm.engine.plan.table()
+    if "pipeline_stages" not in flags:
+        assert f"expert cache: {cache.slots} experts x 8 layers" in llm.engine.plan.table()
+    llm.close()
 
 
 class _Owner(nn.Module):
