@@ -184,9 +184,29 @@ def _int4_down(
 
 
 @triton.jit
-def _cached(slot_ptr, e, E_SHARED):
-    """Expert e's cache slot (int64), -1 without one; the shared expert (e == E_SHARED) never has one."""
-    return tl.load(slot_ptr + e, mask=e != E_SHARED, other=-1).to(tl.int64)
+def _expert_bases(
+    e, E_SHARED, w_ptr, sw_ptr, stride_e, s_ptr, ss_ptr, z_ptr, sz_ptr, stride_s_e,
+    slot_ptr, cw_ptr, cs_ptr, cz_ptr, SCALED: tl.constexpr, ZEROS: tl.constexpr, CACHED: tl.constexpr,
+):  # fmt: skip
+    """Where expert e's values, scales (SCALED) and zero points (ZEROS) start: the shared expert's at sw_ptr,
+    ss_ptr, sz_ptr when e == E_SHARED; with CACHED, those of cache slot slot[e] (at cw_ptr, cs_ptr, cz_ptr,
+    with the routed experts' strides) when it has one; else the routed stacks' expert e. Parts a format
+    lacks come back as the values' base (unread)."""
+    base = tl.where(e == E_SHARED, sw_ptr, w_ptr + e.to(tl.int64) * stride_e)
+    s_base, z_base = base, base
+    if SCALED:
+        s_base = tl.where(e == E_SHARED, ss_ptr, s_ptr + e.to(tl.int64) * stride_s_e)
+    if ZEROS:
+        z_base = tl.where(e == E_SHARED, sz_ptr, z_ptr + e.to(tl.int64) * stride_s_e)
+    if CACHED:
+        # NOTE: the shared expert never has a slot (its table entry is not loaded)
+        c = tl.load(slot_ptr + e, mask=e != E_SHARED, other=-1).to(tl.int64)
+        base = tl.where(c >= 0, cw_ptr + c * stride_e, base)
+        if SCALED:
+            s_base = tl.where(c >= 0, cs_ptr + c * stride_s_e, s_base)
+        if ZEROS:
+            z_base = tl.where(c >= 0, cz_ptr + c * stride_s_e, z_base)
+    return base, s_base, z_base
 
 
 @triton.jit
@@ -225,18 +245,10 @@ def _gate_up(
     mask_n = rn < I
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * H + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    base = tl.where(e == E_SHARED, sgu_ptr, gu_ptr + e.to(tl.int64) * stride_gu_e)
-    if W_FP8 or W_INT4:
-        s_base = tl.where(e == E_SHARED, sgus_ptr, gus_ptr + e.to(tl.int64) * stride_gus_e)
-    if W_INT4:
-        z_base = tl.where(e == E_SHARED, sguz_ptr, guz_ptr + e.to(tl.int64) * stride_gus_e)
-    if CACHED:
-        c = _cached(slot_ptr, e, E_SHARED)
-        base = tl.where(c >= 0, cgu_ptr + c * stride_gu_e, base)
-        if W_FP8 or W_INT4:
-            s_base = tl.where(c >= 0, cgus_ptr + c * stride_gus_e, s_base)
-        if W_INT4:
-            z_base = tl.where(c >= 0, cguz_ptr + c * stride_gus_e, z_base)
+    base, s_base, z_base = _expert_bases(
+        e, E_SHARED, gu_ptr, sgu_ptr, stride_gu_e, gus_ptr, sgus_ptr, guz_ptr, sguz_ptr, stride_gus_e,
+        slot_ptr, cgu_ptr, cgus_ptr, cguz_ptr, W_FP8 or W_INT4, W_INT4, CACHED,
+    )  # fmt: skip
     g_ptrs = base + rn[None, :] * stride_gu_n + rk[:, None]  # [BK, BN]
     u_ptrs = g_ptrs + I * stride_gu_n
     ty = x_ptr.dtype.element_ty
@@ -313,18 +325,10 @@ def _down(
     mask_n = rn < H
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    base = tl.where(e == E_SHARED, sdown_ptr, down_ptr + e.to(tl.int64) * stride_d_e)
-    if W_FP8 or W_INT4:
-        s_base = tl.where(e == E_SHARED, sds_ptr, ds_ptr + e.to(tl.int64) * stride_ds_e)
-    if W_INT4:
-        z_base = tl.where(e == E_SHARED, sdz_ptr, dz_ptr + e.to(tl.int64) * stride_ds_e)
-    if CACHED:
-        c = _cached(slot_ptr, e, E_SHARED)
-        base = tl.where(c >= 0, cdown_ptr + c * stride_d_e, base)
-        if W_FP8 or W_INT4:
-            s_base = tl.where(c >= 0, cds_ptr + c * stride_ds_e, s_base)
-        if W_INT4:
-            z_base = tl.where(c >= 0, cdz_ptr + c * stride_ds_e, z_base)
+    base, s_base, z_base = _expert_bases(
+        e, E_SHARED, down_ptr, sdown_ptr, stride_d_e, ds_ptr, sds_ptr, dz_ptr, sdz_ptr, stride_ds_e,
+        slot_ptr, cdown_ptr, cds_ptr, cdz_ptr, W_FP8 or W_INT4, W_INT4, CACHED,
+    )  # fmt: skip
     d_ptrs = base + rn[None, :] * stride_d_h + rk[:, None]  # [BK, BN]
     ty = act_ptr.dtype.element_ty
     if W_FP8:
