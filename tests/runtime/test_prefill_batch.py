@@ -83,7 +83,10 @@ def _prompts() -> list[list[int]]:
 
 
 def test_batched_prefill_equals_serial(oracle_llm, solo_run) -> None:
-    llm = oracle_llm(prefill_batch_chunks=4, prefix_cache_images=8, max_concurrency=8)
+    # (four chunks a step beside decodes too: the forwards of several chunks mixed with decode rows)
+    llm = oracle_llm(
+        prefill_batch_chunks=4, prefill_chunks_beside_decodes=4, prefix_cache_images=8, max_concurrency=8
+    )
     groups = []
     forward_chunks = llm.engine.runner.model.forward_chunks
 
