@@ -40,6 +40,9 @@ log = logging.getLogger("nextserve.expert_cache")
 
 DECAY = 0.5  # a score's weight after each read
 FILLS_PER_READ = 4  # experts a layer may fill at one read (bounds the bytes a read puts on the link)
+# engine steps between reads of the routing: the policy's host work (an argsort and a few passes over the
+# experts a layer, some 0.1 ms a layer) is paid once in that many steps, not in every step of a decode
+READ_EVERY = 8
 
 
 GiB = 2**30
@@ -100,9 +103,11 @@ class ExpertCache:
     `down_proj` stacks of E experts), installed as those modules' operands; `step()` after each engine
     step."""
 
-    def __init__(self, model: nn.Module, slots: int, device: torch.device) -> None:
-        assert slots >= 1, slots
-        self.slots, self.device = slots, device
+    def __init__(
+        self, model: nn.Module, slots: int, device: torch.device, read_every: int = READ_EVERY
+    ) -> None:
+        assert slots >= 1 and read_every >= 1, (slots, read_every)
+        self.slots, self.device, self.read_every, self.since_read = slots, device, read_every, 0
         owners = moe_owners(model)
         E = owners[0].gate_up.shape[0]
         assert slots <= E, (slots, E)
@@ -154,9 +159,11 @@ class ExpertCache:
     def step(self) -> None:
         """After an engine step: when the last routing snapshot has arrived, account it, move the finished
         fills into the slot tables, start evictions and fills, and take the next snapshot (the module
-        NOTE)."""
-        if self.taking and not _done(self.snapshot_done):
+        NOTE); once every `read_every` steps."""
+        self.since_read += 1
+        if self.since_read < self.read_every or (self.taking and not _done(self.snapshot_done)):
             return  # NOTE: the counts run on into the next window; nothing changes meanwhile
+        self.since_read = 0
         if self.taking:
             self._account(self.snapshot)
         fills_ready = _done(self.fills_done)

@@ -102,7 +102,7 @@ def _slot_of(cache: ExpertCache, layer: int) -> dict[int, int]:
 
 def test_the_policy_caches_what_the_routing_uses_most() -> None:
     model = nn.ModuleList([_Owner(16), _Owner(16)])
-    cache = ExpertCache(model, 2, torch.device("cpu"))
+    cache = ExpertCache(model, 2, torch.device("cpu"), read_every=1)
     assert isinstance(model[0].gate_up, CachedExperts) and cache.nbytes == 2 * 2 * (8 + 4) * 4
     for _ in range(3):
         _route(cache, 0, 3, 5)
@@ -138,7 +138,7 @@ def test_the_policy_caches_what_the_routing_uses_most() -> None:
 
 
 def test_fills_a_read_are_bounded() -> None:
-    cache = ExpertCache(nn.ModuleList([_Owner(16)]), 16, torch.device("cpu"))
+    cache = ExpertCache(nn.ModuleList([_Owner(16)]), 16, torch.device("cpu"), read_every=1)
     _route(cache, 0, *range(16))
     cache.step()  # (a window's routing is read at the step after it)
     assert len(_slot_of(cache, 0)) == 0
@@ -149,7 +149,7 @@ def test_fills_a_read_are_bounded() -> None:
 
 
 def test_bytes_over_the_link_count_misses_by_call_and_fills() -> None:
-    cache = ExpertCache(nn.ModuleList([_Owner(4)]), 1, torch.device("cpu"))
+    cache = ExpertCache(nn.ModuleList([_Owner(4)]), 1, torch.device("cpu"), read_every=1)
     one = (8 + 4) * 4
     _route(cache, 0, 1, 1, 2)  # one call: experts 1 and 2 read once each
     cache.step()
@@ -203,3 +203,15 @@ def test_a_cache_keeps_the_shared_expert_riding_the_routed_kernels() -> None:
     ExpertCache(nn.ModuleList([moe]), 2, torch.device("cpu"))
     assert isinstance(moe.experts.gate_up, CachedExperts) and moe._decode_weights() is not None
     assert torch.equal(moe(u, True), want)
+
+
+def test_the_routing_is_read_every_few_steps() -> None:
+    """The policy runs once in `read_every` steps; the routing of the steps between adds up."""
+    cache = ExpertCache(nn.ModuleList([_Owner(4)]), 1, torch.device("cpu"), read_every=3)
+    for _ in range(3):
+        _route(cache, 0, 2)
+        cache.step()  # the third reads (a snapshot of three calls' routing)
+    assert cache.hits + cache.misses == 0 and _slot_of(cache, 0) == {}
+    for _ in range(3):
+        cache.step()
+    assert (cache.hits, cache.misses) == (0, 3) and _slot_of(cache, 0) == {2: 0}
