@@ -110,11 +110,13 @@ def test_random_model_matches_loader_names_and_is_finite() -> None:
 
 def test_bench_with_host_experts_reports_the_expert_cache(capsys, one_thread) -> None:
     """--experts host with a small --expert-cache-gib: each decode run's cache counters over its timed
-    window (hits and misses add up to its routed pairs); the host link is measured on a GPU only."""
+    window (the routing the cache read in it: once in 8 steps, so 16 steps hold two reads, the first of
+    which may reach back before the window, to the prompts' pairs); the host link is measured on a GPU
+    only."""
     cfg, _ = bench.bench_config("tiny")
     argv = [
         "bench", "--device", "cpu", "--preset", "tiny", "--prompt-lens", "16", "--concurrency", "1", "2",
-        "--decode-steps", "3", "--decode-prompt-len", "8", "--copy-mib", "8", "--no-transformers",
+        "--decode-steps", "16", "--decode-prompt-len", "8", "--copy-mib", "8", "--no-transformers",
         "--no-profile", "--experts", "host", "--expert-cache-gib", "0.0001", "--router-skew", "1.5",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -124,9 +126,8 @@ def test_bench_with_host_experts_reports_the_expert_cache(capsys, one_thread) ->
     for r in res["nextserve"]["decode"]:
         c = r["expert_cache"]
         assert 0 < c["slots"] < cfg.num_experts * cfg.num_hidden_layers
-        assert (
-            c["hits"] + c["misses"] == r["concurrency"] * 3 * cfg.num_experts_per_tok * cfg.num_hidden_layers
-        )
+        pairs_a_step = r["concurrency"] * cfg.num_experts_per_tok * cfg.num_hidden_layers
+        assert c["hits"] + c["misses"] >= 8 * pairs_a_step, c
         assert 0 <= c["hit_rate"] <= 1 and c["link_bytes_per_token"] >= 0
 
 

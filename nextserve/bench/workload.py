@@ -122,8 +122,9 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
 
 def expert_cache_window(before: dict, after: dict, tokens: int) -> dict[str, Any] | None:
     """The device expert cache's counters over a timed window of `tokens` decoded tokens (engine stats taken
-    at its ends; the routing of a window's last step is read at the step after it, so a window's figures
-    trail it by a step): hits, misses, fills, hit rate, link bytes a token. None without a cache."""
+    at its ends; the cache reads the routing once in a few steps (runtime/expert_cache.READ_EVERY), so a
+    window's figures are those of the reads made in it): hits, misses, fills, hit rate, link bytes a token.
+    None without a cache."""
     if "expert_cache_hits" not in after:
         return None
     keys = [k for k in after if k.startswith("expert_cache_")]

@@ -41,7 +41,7 @@ log = logging.getLogger("nextserve.expert_cache")
 DECAY = 0.5  # a score's weight after each read
 FILLS_PER_READ = 4  # experts a layer may fill at one read (bounds the bytes a read puts on the link)
 # engine steps between reads of the routing: the policy's host work (an argsort and a few passes over the
-# experts a layer, some 0.1 ms a layer) is paid once in that many steps, not in every step of a decode
+# experts, a layer at a time) is paid once in that many steps, not in every step of a decode
 READ_EVERY = 8
 
 
