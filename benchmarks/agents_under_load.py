@@ -27,28 +27,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nextserve_side import engine_flags  # noqa: E402
 
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.engine.engine import LLMEngine  # noqa: E402
 from nextserve.engine.sampling import SamplingParams  # noqa: E402
 from nextserve.engine_config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-
-
-def engine_flags(argv: list[str]) -> dict:
-    """`--name value` pairs as EngineConfig fields (numbers as numbers, true/false as booleans)."""
-    flags: dict = {}
-    for name, value in zip(argv[::2], argv[1::2], strict=True):
-        key = name.removeprefix("--").replace("-", "_")
-        for cast in (int, float):
-            try:
-                flags[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            flags[key] = {"true": True, "false": False}.get(value, value)
-    return flags
 
 
 class Session:

@@ -33,14 +33,23 @@ from nextserve.engine_config import EngineConfig  # noqa: E402
 
 
 def engine_flags(argv: list[str]) -> dict:
-    """--name value pairs -> EngineConfig fields: integers, true/false, or text."""
+    """--name value pairs -> EngineConfig fields: integers, numbers, true/false, or text."""
     flags: dict = {}
     for key, value in zip(argv[::2], argv[1::2], strict=True):
         name = key.removeprefix("--").replace("-", "_")
         if name not in EngineConfig.__dataclass_fields__:
             raise SystemExit(f"unknown engine flag {key}")
-        flags[name] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+        flags[name] = {"true": True, "false": False}.get(value, _number(value))
     return flags
+
+
+def _number(value: str) -> int | float | str:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            continue
+    return value
 
 
 def main() -> None:

@@ -56,10 +56,6 @@ class CachedExperts:
         s = int(self.slot[e])
         return self.cache[s] if s >= 0 else self.host[e]
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        h = self.host
-        return h.to(dtype) if isinstance(h, torch.Tensor) else h.dequantize(dtype)
-
     def count(self, ids: torch.Tensor) -> None:
         """Add a call's routed ids [T, k] (the shared expert's id E included) to `counts`: its pairs, and
         one call for each expert it reads; on the device, without a host read (CUDA-graph capturable)."""

@@ -229,7 +229,7 @@ def _gate_up(
     int4 words [E, 2I, H / 8] with group scales [E, 2I, H / GROUP] at gus_ptr (zero points at guz_ptr; the
     shared expert's at sgus_ptr, sguz_ptr), a tile of BLOCK_K // 8 word rows at a time (int4_dot). CACHED:
     expert e's values, scales and zero points from cache slot slot[e] (at cgu_ptr, cgus_ptr, cguz_ptr, with
-    the routed experts' strides) when it has one (`_cached`)."""
+    the routed experts' strides) when it has one (`_expert_bases`)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
