@@ -4,13 +4,17 @@ card's memory, activations through host memory (no peer access), a table per pip
     python benchmarks/rigs.py --model /tmp/ref8 --layout A --device cuda --dtype bfloat16
     python benchmarks/rigs.py --layout B --long 96 160      # the default model on the CPU, scaled down
 
-Layouts: A, a TITAN RTX (24 GB) and four RTX 3060 (12 GB), layers 8,8,8,8,16 of 48; B, two RTX 3060, a
-TITAN RTX and an RTX 3090 (12, 12, 24, 24 GB), layers 8,8,17,15 (the seed ran B with an 8-bit KV cache,
-which nextserve does not have yet: B runs 16-bit KV here). A model of fewer layers gets the same number of
-stages, each with its share of the layers (rounded, at least one, the largest stage taking what rounding
-left), and each card's memory scaled by the stage's parameters in this model over its parameters in the
-released model (48 layers) on that card: the stage is as full as the real card would be, in the same
-weight format. On the CPU the caps are only printed (a CPU has no per-process cap).
+Layouts: A, four RTX 3060 (12 GB) and a TITAN RTX (24 GB, the 16-layer stage), layers 8,8,8,8,16 of 48;
+B, two RTX 3060, a TITAN RTX and an RTX 3090 (12, 12, 24, 24 GB), layers 8,8,17,15 (the seed ran B with an
+8-bit KV cache, which nextserve does not have yet: B runs 16-bit KV here). A model of fewer layers gets the
+same number of stages, each with its share of the layers (rounded, at least one, the largest stage taking
+what rounding left). Each stage's cap is its own weights plus the room the real card keeps after the
+released model's (48 layers) weights of that stage, both in --quantization's format (int4 by default: the
+released model is 63 GiB in int4, the only format both layouts' 72 GB hold), without the n-gram table with
+--ple-table host: the stage is as tight for KV, state slots and headroom as the real card would be. A layout
+whose real card cannot hold its stage's weights in that format is refused, naming the card. On the CPU the
+caps are only printed (a CPU has no per-process cap). Any further `--name value` is an engine flag of every
+engine (EngineConfig field, dashes for underscores), e.g. `--memory-headroom-mib 512` as such a rig needs.
 
 Modes, each against one process decoding the same greedy requests: serial (one chunk in flight, one decode
 group), pipelined prefill (a step's chunks in flight on every stage), decode groups (two groups in flight),
@@ -25,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -33,18 +36,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from nextserve_side import engine_flags  # noqa: E402
 
 from nextserve import LLM, SamplingParams  # noqa: E402
 from nextserve.bench.meters import EnergyMeter  # noqa: E402
 from nextserve.bench.model import bench_config  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.config import ModelConfig  # noqa: E402
+from nextserve.engine.memory_plan import tensor_bytes, weight_kind  # noqa: E402
 from nextserve.engine_config import DEFAULT_MODEL  # noqa: E402
+from nextserve.model.loader import INT4_GROUP, model_fp8_capable  # noqa: E402
+from nextserve.model.quant import default_fp8  # noqa: E402
 from nextserve.model.shapes import expected_shapes  # noqa: E402
 from nextserve.runtime.pipeline import in_stage  # noqa: E402
 
 LAYOUTS = {  # (layers of the released model per stage, each card's GiB)
-    "A": ([8, 8, 8, 8, 16], [24, 12, 12, 12, 12]),
+    "A": ([8, 8, 8, 8, 16], [12, 12, 12, 12, 24]),
     "B": ([8, 8, 17, 15], [12, 12, 24, 24]),
 }
 RELEASED_LAYERS = 48
@@ -65,25 +74,48 @@ def scaled_layers(real: list[int], layers: int) -> list[int]:
     return split
 
 
-def stage_parameters(cfg: ModelConfig, split: list[int]) -> list[int]:
-    """Parameters each stage of `split` holds (its layers; the first the embeddings, the last the head)."""
+def stage_weight_bytes(cfg: ModelConfig, split: list[int], quantization: str, ple_host: bool) -> list[int]:
+    """Bytes of each stage's weights (its layers; the first the embeddings, the last the head) as
+    `--quantization` of a 16-bit checkpoint holds them (memory_plan.tensor_bytes of the loader's choice:
+    the projections and experts default_fp8 converts, int4 where INT4_GROUP divides the input), without the
+    n-gram table where it lives in host memory."""
     shapes = expected_shapes(cfg, with_mtp=False)
+    scheme = default_fp8()
+    converted = {n for n in model_fp8_capable(cfg, False) if scheme.converted(n.removesuffix(".weight"))}
+    fp8 = converted if quantization == "fp8" else set()
+    int4 = {n: (INT4_GROUP, torch.bfloat16, True) for n in converted if shapes[n][-1] % INT4_GROUP == 0}
+    sizes = tensor_bytes(shapes, fp8, torch.bfloat16, int4 if quantization == "int4" else {})
     bounds = [0, *itertools.accumulate(split)]
     return [
-        sum(math.prod(s) for n, s in shapes.items() if in_stage(n, range(lo, hi), cfg))
+        sum(
+            b
+            for n, b in sizes.items()
+            if in_stage(n, range(lo, hi), cfg) and not (ple_host and weight_kind(n) == "PLE")
+        )
         for lo, hi in zip(bounds, bounds[1:], strict=False)
     ]
 
 
-def scaled_caps(cfg: ModelConfig, layout: str) -> tuple[list[int], list[float]]:
-    """(this model's stage layers, each card's GiB scaled as the module docstring says)."""
+def scaled_caps(
+    cfg: ModelConfig, layout: str, quantization: str, ple_host: bool
+) -> tuple[list[int], list[float]]:
+    """(this model's stage layers, each stage's GiB as the module docstring says). SystemExit where a real
+    card cannot hold the released model's stage in this format."""
     real_split, gib = LAYOUTS[layout]
     split = scaled_layers(real_split, cfg.num_hidden_layers)
-    if cfg.num_hidden_layers == RELEASED_LAYERS:
-        return split, [float(g) for g in gib]
     released, _ = bench_config("flash-next", layers=RELEASED_LAYERS)
-    ours, theirs = stage_parameters(cfg, split), stage_parameters(released, real_split)
-    return split, [round(g * a / b, 4) for g, a, b in zip(gib, ours, theirs, strict=True)]
+    ours = stage_weight_bytes(cfg, split, quantization, ple_host)
+    theirs = stage_weight_bytes(released, real_split, quantization, ple_host)
+    caps = []
+    for card, (g, a, b) in enumerate(zip(gib, ours, theirs, strict=True)):
+        room = g * 2**30 - b
+        if room <= 0:
+            raise SystemExit(
+                f"layout {layout}: card {card} ({g} GB) cannot hold the released model's {real_split[card]} "
+                f"layers in --quantization {quantization} ({b / 2**30:.1f} GiB of weights): try int4"
+            )
+        caps.append(round((a + room) / 2**30, 4))
+    return split, caps
 
 
 def measure(llm: LLM, want: list[list[int]], prompts: list[list[int]], args, device: str) -> dict:
@@ -120,15 +152,28 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens a request")
     ap.add_argument("--long", type=int, nargs="*", default=[33000, 62700], help="prompts timed to 1st token")
+    ap.add_argument(
+        "--quantization",
+        choices=["none", "fp8", "int4"],
+        default="int4",
+        help="the weights' format, of the caps and every engine (default: int4)",
+    )
+    ap.add_argument(
+        "--ple-table",
+        choices=["device", "host"],
+        default="host",
+        help="where the n-gram table lives, in the caps and every engine (default: host)",
+    )
     ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
     cfg = ModelConfig.from_dir(args.model)
-    split, caps = scaled_caps(cfg, args.layout)
+    split, caps = scaled_caps(cfg, args.layout, args.quantization, args.ple_table == "host")
     stages = len(split)
     cuda = args.device.startswith("cuda")
     index = (torch.device(args.device).index or 0) if cuda else 0
     flags = dict(device=args.device, dtype=args.dtype, max_concurrency=4, skip_tokenizer=True,
-                 max_context=max([*args.long, 256]) + args.tokens + 64)  # fmt: skip
+                 max_context=max([*args.long, 256]) + args.tokens + 64, quantization=args.quantization,
+                 ple_table=args.ple_table) | engine_flags(rest)  # fmt: skip
     stage_flags = dict(pipeline_stages=stages, stage_layers=",".join(map(str, split)), stage_transport="host",
                        pipeline_devices=",".join([str(index)] * stages) if cuda else None)  # fmt: skip
     if cuda:
@@ -152,7 +197,9 @@ def main() -> None:
             llm.close()
     out = {"benchmark": "rigs", "git": git_info(args.revision), "hardware": hardware(args.device),
            "command": " ".join(["python", *sys.argv]), "layout": args.layout, "stage_layers": split,
-           "stage_memory_gib": caps, "caps_applied": cuda, "kv": "16-bit", "modes": table}  # fmt: skip
+           "stage_memory_gib": caps, "caps_applied": cuda, "quantization": args.quantization,
+           "ple_table": args.ple_table, "engine_flags": engine_flags(rest), "kv": "16-bit",
+           "modes": table}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 

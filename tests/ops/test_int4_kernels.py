@@ -192,3 +192,21 @@ def test_int4_kernels_replay_in_a_cuda_graph_and_rows_stay_invariant_up_to_40():
         assert torch.equal(
             grouped_decode_experts(xe[:m].clone(), we[:m].clone(), ids[:m].clone(), gu, dn), full[:m]
         )
+
+
+def test_float32_rows_in_k_order_fit_shared_memory() -> None:
+    """Bug: float32 rows on int4 experts in K order counted half a byte a weight, so the one-row decode
+    gate/up ran 8 stages and asked an H100 for 331,776 bytes of shared memory (limit 232,448). Counted as
+    the IEEE dot holds it (the dequantized float32 tile), the depth now fits; 16-bit rows keep their count."""
+    from nextserve.ops.triton.moe_grouped import FP8_DEEP_STAGES, _fit, _stage_bytes_a_weight
+
+    w = _int4(2, 64, 256, seed=1, group=128, dtype=torch.bfloat16)
+    x32, x16 = torch.zeros(1, 256), torch.zeros(1, 256, dtype=torch.bfloat16)
+    block_m, block_n, block_k, h100_limit = 16, 32, 128, 232_448
+    per_weight = _stage_bytes_a_weight(w, x32, int4_slabs=False)
+    stage = int(block_k * (block_m * 4 + 2 * block_n * per_weight))
+    depth = _fit(FP8_DEEP_STAGES, stage, k_tiles=20)
+    measured = 331_776 / (FP8_DEEP_STAGES - 1)  # a stage's bytes at 8 stages, as the H100 reported them
+    assert stage >= measured and (depth - 1) * measured < h100_limit, (stage, depth)
+    assert _stage_bytes_a_weight(w, x16, int4_slabs=False) == 0.5
+    assert _stage_bytes_a_weight(w, x16, int4_slabs=True) == 1.0

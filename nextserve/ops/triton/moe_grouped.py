@@ -414,8 +414,16 @@ def _fp8_args(w, shared_w, name: str, shared_name: str, block_k: int, split_rows
 
 def _stage_bytes_a_weight(w, x: torch.Tensor, int4_slabs: bool) -> float:
     """Shared memory a pipeline stage holds per weight of a tile: FP8 a byte; int4 half a byte, and with the
-    slabs each of its eight dots a slab converted to x's dtype; 16-bit weights their own size."""
+    slabs each of its eight dots a slab converted to x's dtype, in K order with float32 rows the whole
+    dequantized tile; 16-bit weights their own size.
+
+    # NOTE: float32 rows' IEEE dot reads its dequantized weight tile from shared memory: the decode
+    # gate/up at one row (16 x 128 rows of A, 2 x 32 x 128 weights, 8 stages) asked for 331,776 bytes, some
+    # 4.8 a weight a stage, past an H100 SM's 232,448 (H100, GPU tests), so such a weight counts 5 bytes.
+    # 16-bit rows in K order fit as counted (the prefill experts' form)."""
     if isinstance(w, Int4Weight):
+        if not int4_slabs and x.element_size() == 4:
+            return 1 + x.element_size()
         return 0.5 + (x.element_size() / 4 if int4_slabs else 0)
     return 1 if isinstance(w, Fp8Weight) else w.element_size()
 
