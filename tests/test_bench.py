@@ -110,9 +110,9 @@ def test_random_model_matches_loader_names_and_is_finite() -> None:
 
 def test_bench_with_host_experts_reports_the_expert_cache(capsys, one_thread) -> None:
     """--experts host with a small --expert-cache-gib: each decode run's cache counters over its timed
-    window (the routing the cache read in it: once in 8 steps, so 16 steps hold two reads, the first of
-    which may reach back before the window, to the prompts' pairs); the host link is measured on a GPU
-    only."""
+    window, exactly the window's routed pairs (bug: the cache's first read in a window reached back to the
+    earlier prefill runs' pairs, and the H100's 48-layer window at one request counted 7.8M misses and
+    9.1 GB of link a token); the host link is measured on a GPU only."""
     cfg, _ = bench.bench_config("tiny")
     argv = [
         "bench", "--device", "cpu", "--preset", "tiny", "--prompt-lens", "16", "--concurrency", "1", "2",
@@ -127,7 +127,7 @@ def test_bench_with_host_experts_reports_the_expert_cache(capsys, one_thread) ->
         c = r["expert_cache"]
         assert 0 < c["slots"] < cfg.num_experts * cfg.num_hidden_layers
         pairs_a_step = r["concurrency"] * cfg.num_experts_per_tok * cfg.num_hidden_layers
-        assert c["hits"] + c["misses"] >= 8 * pairs_a_step, c
+        assert c["hits"] + c["misses"] == 16 * pairs_a_step, c
         assert 0 <= c["hit_rate"] <= 1 and c["link_bytes_per_token"] >= 0
 
 

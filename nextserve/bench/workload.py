@@ -78,6 +78,7 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
         engine.step()
     before = [len(s.output_ids) for s in seqs]
     step_s = []
+    settle_expert_cache(engine)
     cache_before = engine.stats()
     with Window(device, meter) as w:
         # NOTE: no device sync per step: with async scheduling a step returns while the GPU runs the
@@ -87,6 +88,7 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
             t0 = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t0)
+    settle_expert_cache(engine)
     cache_after = engine.stats()
     made = [len(s.output_ids) - b for s, b in zip(seqs, before, strict=True)]
     # Context of each request at the middle of the window (early ones decoded while others prefilled).
@@ -120,11 +122,17 @@ def ns_decode(engine, prompts: list[list[int]], steps: int, meter: EnergyMeter) 
     }
 
 
+def settle_expert_cache(engine: Any) -> None:
+    """Account an LLMEngine's expert cache's routing up to now (none: nothing), so a window counts its own
+    steps."""
+    if engine.expert_cache is not None:
+        engine.expert_cache.settle()
+
+
 def expert_cache_window(before: dict, after: dict, tokens: int) -> dict[str, Any] | None:
     """The device expert cache's counters over a timed window of `tokens` decoded tokens (engine stats taken
-    at its ends; the cache reads the routing once in a few steps (runtime/expert_cache.READ_EVERY), so a
-    window's figures are those of the reads made in it): hits, misses, fills, hit rate, link bytes a token.
-    None without a cache."""
+    at its ends, the cache settled there: the window's own routed pairs): hits, misses, fills, hit rate,
+    link bytes a token. None without a cache."""
     if "expert_cache_hits" not in after:
         return None
     keys = [k for k in after if k.startswith("expert_cache_")]

@@ -156,6 +156,17 @@ class ExpertCache:
             "expert_cache_slots": self.slots * len(self.layers),
         }
 
+    def settle(self) -> None:
+        """Account every pair routed so far (a snapshot in flight, then the counts since), waiting for the
+        device; no slot changes. A measurement that settles at both ends of a window counts exactly the
+        window's steps (a read inside it would otherwise reach back to routing before it, such as prompts
+        prefilled earlier)."""
+        if self.taking:
+            self._account(self._arrived())
+        self._snapshot()
+        self._account(self._arrived())
+        self.taking = False
+
     def step(self) -> None:
         """After an engine step: when the last routing snapshot has arrived, account it, move the finished
         fills into the slot tables, start evictions and fills, and take the next snapshot (the module
@@ -245,6 +256,11 @@ class ExpertCache:
             self.snapshot_done.record()
         else:
             self.snapshot_done = None
+
+    def _arrived(self) -> torch.Tensor:
+        if self.snapshot_done is not None:
+            self.snapshot_done.synchronize()
+        return self.snapshot
 
     def _wait(self) -> None:
         for ev in (self.snapshot_done, self.fills_done):

@@ -216,3 +216,23 @@ def test_the_routing_is_read_every_few_steps() -> None:
     for _ in range(3):
         cache.step()
     assert (cache.hits, cache.misses) == (0, 3) and _slot_of(cache, 0) == {2: 0}
+
+
+def test_settle_accounts_every_pair_routed_so_far_and_changes_no_slot() -> None:
+    """settle(): the pairs of a snapshot in flight and those counted since are both accounted, the counts
+    start again from zero, the slot tables stay; what the bench's windows rely on to count their own steps."""
+    cache = ExpertCache(nn.ModuleList([_Owner(16)]), 2, torch.device("cpu"), read_every=1)
+    _route(cache, 0, 3, 5)
+    cache.step()  # (fills 3 and 5; their snapshot was accounted, a new one is taken)
+    _route(cache, 0, 3, 9)
+    cache.step()  # a snapshot of (3, 9) in flight, not yet accounted
+    _route(cache, 0, 3, 5, 7)
+    before, slots = cache.stats(), _slot_of(cache, 0)
+    assert slots and cache.taking
+    cache.settle()
+    after = cache.stats()
+    got = {k: after[k] - before[k] for k in ("expert_cache_hits", "expert_cache_misses")}
+    assert sum(got.values()) == 5 and int(cache.counts.sum()) == 0, got
+    assert _slot_of(cache, 0) == slots and cache.taking is False
+    cache.settle()  # nothing routed since: nothing to account
+    assert cache.stats() == after
