@@ -11,10 +11,12 @@ same number of stages, each with its share of the layers (rounded, at least one,
 what rounding left). Each stage's cap is its own weights plus the room the real card keeps after the
 released model's (48 layers) weights of that stage, both in --quantization's format (int4 by default: the
 released model is 63 GiB in int4, the only format both layouts' 72 GB hold), without the n-gram table with
---ple-table host: the stage is as tight for KV, state slots and headroom as the real card would be. A layout
-whose real card cannot hold its stage's weights in that format is refused, naming the card. On the CPU the
-caps are only printed (a CPU has no per-process cap). Any further `--name value` is an engine flag of every
-engine (EngineConfig field, dashes for underscores), e.g. `--memory-headroom-mib 512` as such a rig needs.
+--ple-table host (and the routed experts with --experts host): the stage is as tight for KV, state slots and
+headroom as the real card would be. A layout whose real card cannot hold its stage's weights in that format
+is refused, naming the card. On the CPU the caps are only printed (a CPU has no per-process cap). Any further
+`--name value` is an engine flag of every engine (EngineConfig field, dashes for underscores), e.g.
+`--memory-headroom-mib 512` as such a rig needs. On one H100, layout A's first stage does not fit with its
+experts on the card (BENCHMARKS.md, Pipeline stages); `--experts host --expert-cache-gib G` is the way.
 
 Modes, each against one process decoding the same greedy requests: serial (one chunk in flight, one decode
 group), pipelined prefill (a step's chunks in flight on every stage), decode groups (two groups in flight),
@@ -74,11 +76,13 @@ def scaled_layers(real: list[int], layers: int) -> list[int]:
     return split
 
 
-def stage_weight_bytes(cfg: ModelConfig, split: list[int], quantization: str, ple_host: bool) -> list[int]:
-    """Bytes of each stage's weights (its layers; the first the embeddings, the last the head) as
+def stage_weight_bytes(
+    cfg: ModelConfig, split: list[int], quantization: str, host_kinds: frozenset[str] = frozenset()
+) -> list[int]:
+    """Bytes of each stage's weights on its card (its layers; the first the embeddings, the last the head) as
     `--quantization` of a 16-bit checkpoint holds them (memory_plan.tensor_bytes of the loader's choice:
     the projections and experts default_fp8 converts, int4 where INT4_GROUP divides the input), without the
-    n-gram table where it lives in host memory."""
+    kinds (memory_plan.weight_kind: "PLE", "experts") held in host memory."""
     shapes = expected_shapes(cfg, with_mtp=False)
     scheme = default_fp8()
     converted = {n for n in model_fp8_capable(cfg, False) if scheme.converted(n.removesuffix(".weight"))}
@@ -90,29 +94,30 @@ def stage_weight_bytes(cfg: ModelConfig, split: list[int], quantization: str, pl
         sum(
             b
             for n, b in sizes.items()
-            if in_stage(n, range(lo, hi), cfg) and not (ple_host and weight_kind(n) == "PLE")
+            if in_stage(n, range(lo, hi), cfg) and weight_kind(n) not in host_kinds
         )
         for lo, hi in zip(bounds, bounds[1:], strict=False)
     ]
 
 
 def scaled_caps(
-    cfg: ModelConfig, layout: str, quantization: str, ple_host: bool
+    cfg: ModelConfig, layout: str, quantization: str, host_kinds: frozenset[str] = frozenset()
 ) -> tuple[list[int], list[float]]:
     """(this model's stage layers, each stage's GiB as the module docstring says). SystemExit where a real
     card cannot hold the released model's stage in this format."""
     real_split, gib = LAYOUTS[layout]
     split = scaled_layers(real_split, cfg.num_hidden_layers)
     released, _ = bench_config("flash-next", layers=RELEASED_LAYERS)
-    ours = stage_weight_bytes(cfg, split, quantization, ple_host)
-    theirs = stage_weight_bytes(released, real_split, quantization, ple_host)
+    ours = stage_weight_bytes(cfg, split, quantization, host_kinds)
+    theirs = stage_weight_bytes(released, real_split, quantization, host_kinds)
     caps = []
     for card, (g, a, b) in enumerate(zip(gib, ours, theirs, strict=True)):
         room = g * 2**30 - b
         if room <= 0:
             raise SystemExit(
                 f"layout {layout}: card {card} ({g} GB) cannot hold the released model's {real_split[card]} "
-                f"layers in --quantization {quantization} ({b / 2**30:.1f} GiB of weights): try int4"
+                f"layers in --quantization {quantization} ({b / 2**30:.1f} GiB of weights): try int4, or "
+                "--experts host"
             )
         caps.append(round((a + room) / 2**30, 4))
     return split, caps
@@ -164,16 +169,26 @@ def main() -> None:
         default="host",
         help="where the n-gram table lives, in the caps and every engine (default: host)",
     )
+    ap.add_argument(
+        "--experts",
+        choices=["device", "host"],
+        default="device",
+        help="where the routed experts live, in the caps and every engine (host: each stage reads them over "
+        "the bus, with an --expert-cache-gib of its own if given; default: device)",
+    )
     ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
     args, rest = ap.parse_known_args()
     cfg = ModelConfig.from_dir(args.model)
-    split, caps = scaled_caps(cfg, args.layout, args.quantization, args.ple_table == "host")
+    host_kinds = frozenset({"PLE"} if args.ple_table == "host" else ()) | (
+        {"experts"} if args.experts == "host" else set()
+    )
+    split, caps = scaled_caps(cfg, args.layout, args.quantization, host_kinds)
     stages = len(split)
     cuda = args.device.startswith("cuda")
     index = (torch.device(args.device).index or 0) if cuda else 0
     flags = dict(device=args.device, dtype=args.dtype, max_concurrency=4, skip_tokenizer=True,
                  max_context=max([*args.long, 256]) + args.tokens + 64, quantization=args.quantization,
-                 ple_table=args.ple_table) | engine_flags(rest)  # fmt: skip
+                 ple_table=args.ple_table, experts=args.experts) | engine_flags(rest)  # fmt: skip
     stage_flags = dict(pipeline_stages=stages, stage_layers=",".join(map(str, split)), stage_transport="host",
                        pipeline_devices=",".join([str(index)] * stages) if cuda else None)  # fmt: skip
     if cuda:
@@ -198,8 +213,8 @@ def main() -> None:
     out = {"benchmark": "rigs", "git": git_info(args.revision), "hardware": hardware(args.device),
            "command": " ".join(["python", *sys.argv]), "layout": args.layout, "stage_layers": split,
            "stage_memory_gib": caps, "caps_applied": cuda, "quantization": args.quantization,
-           "ple_table": args.ple_table, "engine_flags": engine_flags(rest), "kv": "16-bit",
-           "modes": table}  # fmt: skip
+           "ple_table": args.ple_table, "experts": args.experts, "engine_flags": engine_flags(rest),
+           "kv": "16-bit", "modes": table}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 

@@ -113,6 +113,8 @@ def test_every_printed_command_names_a_script_and_flags_it_takes(cmd: str) -> No
             for flag in flags:
                 assert flag[2:].replace("-", "_") in EngineConfig.__dataclass_fields__, (cmd, flag)
             return
+        if rel in ("rigs.py", "agents_under_load.py"):  # its own flags, then engine flags
+            flags = [f for f in flags if f[2:].replace("-", "_") not in EngineConfig.__dataclass_fields__]
     for flag in flags:
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", known), (
             f"{cmd}: {flag} is not a flag of it"
@@ -167,3 +169,30 @@ def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
         assert res["requests"] == 6 and set(res["ttft_by_turn"]) == {"1", "2", "3"}, res
         assert res["prefix_reuse_rate"] > 0.3 and res["preemptions"] == 0 and res["max_concurrency"] == 16
         assert 0 < res["itl_p50_s"] <= res["itl_p99_s"] and res["generated_tokens"] >= 6 * 3
+
+
+def test_rig_caps_keep_the_real_cards_room_after_their_weights() -> None:
+    """rigs.py's caps: each stage's own weights plus the room its real card keeps after the released stage's
+    weights, in the chosen format; a card the released stage does not fit is refused by name; the 16-layer
+    stage of layout A is the 24 GB card's; the experts in host memory leave the cards their bytes."""
+    sys.path.insert(0, str(BENCH))
+    import rigs
+
+    from nextserve.bench.model import bench_config
+
+    cfg, _ = bench_config("flash-next", layers=8, ngram_vocab_base=200000)
+    released, _ = bench_config("flash-next", layers=48)
+    ple = frozenset({"PLE"})
+    split, caps = rigs.scaled_caps(cfg, "A", "int4", ple)
+    assert split == [1, 1, 1, 1, 4] and caps[4] == max(caps)
+    ours = rigs.stage_weight_bytes(cfg, split, "int4", ple)
+    theirs = rigs.stage_weight_bytes(released, [8, 8, 8, 8, 16], "int4", ple)
+    for cap, card, a, b in zip(caps, [12, 12, 12, 12, 24], ours, theirs, strict=True):
+        assert abs(cap * 2**30 - (a + card * 2**30 - b)) < 2**30 * 1e-4
+        assert 0 < card * 2**30 - b < 3 * 2**30  # int4 leaves a real card under 3 GiB
+    bf16 = rigs.stage_weight_bytes(cfg, split, "none", ple)
+    assert all(w > 2 * q for w, q in zip(bf16, ours, strict=True))  # (the embeddings and norms stay 16-bit)
+    with pytest.raises(SystemExit, match=r"layout B: card 0 \(12 GB\) .* --quantization none"):
+        rigs.scaled_caps(cfg, "B", "none", ple)
+    _, host = rigs.scaled_caps(cfg, "A", "int4", ple | {"experts"})
+    assert all(h > c + 5 for h, c in zip(host, caps, strict=True))
