@@ -4,19 +4,19 @@ card's memory, activations through host memory (no peer access), a table per pip
     python benchmarks/rigs.py --model /tmp/ref8 --layout A --device cuda --dtype bfloat16
     python benchmarks/rigs.py --layout B --long 96 160      # the default model on the CPU, scaled down
 
-Layouts: A, four RTX 3060 (12 GB) and a TITAN RTX (24 GB, the 16-layer stage), layers 8,8,8,8,16 of 48;
-B, two RTX 3060, a TITAN RTX and an RTX 3090 (12, 12, 24, 24 GB), layers 8,8,17,15 (the seed ran B with an
-8-bit KV cache, which nextserve does not have yet: B runs 16-bit KV here). A model of fewer layers gets the
-same number of stages, each with its share of the layers (rounded, at least one, the largest stage taking
-what rounding left). Each stage's cap is its own weights plus the room the real card keeps after the
-released model's (48 layers) weights of that stage, both in --quantization's format (int4 by default: the
-released model is 63 GiB in int4, the only format both layouts' 72 GB hold), without the n-gram table with
---ple-table host (and the routed experts with --experts host): the stage is as tight for KV, state slots and
-headroom as the real card would be. A layout whose real card cannot hold its stage's weights in that format
-is refused, naming the card. On the CPU the caps are only printed (a CPU has no per-process cap). Any further
-`--name value` is an engine flag of every engine (EngineConfig field, dashes for underscores), e.g.
-`--memory-headroom-mib 512` as such a rig needs. On one H100, layout A's first stage does not fit with its
-experts on the card (BENCHMARKS.md, Pipeline stages); `--experts host --expert-cache-gib G` is the way.
+Layouts: A, four RTX 3060 (12 GB) and a TITAN RTX (24 GB, the 16-layer stage), layers 8,8,8,8,16 of 48; B, two
+RTX 3060, a TITAN RTX and an RTX 3090 (12, 12, 24, 24 GB), layers 8,8,17,15 (the seed ran B with an 8-bit KV
+cache: `--kv-dtype int8`, an engine flag here). A model of fewer layers gets the same number of stages, each
+with its share of the layers (rounded, at least one, the largest stage taking what rounding left). Each
+stage's cap is its own weights plus the room the real card keeps after the released model's (48 layers)
+weights of that stage, both in --quantization's format (int4 by default: the released model is 63 GiB in int4,
+the only format both layouts' 72 GB hold), without the n-gram table with --ple-table host (and the routed
+experts with --experts host): the stage is as tight for KV, state slots and headroom as the real card would
+be. A layout whose real card cannot hold its stage's weights in that format is refused, naming the card. On
+the CPU the caps are only printed (a CPU has no per-process cap). Any further `--name value` is an engine flag
+of every engine (EngineConfig field, dashes for underscores), e.g. `--memory-headroom-mib 512` as such a rig
+needs. On one H100, layout A's first stage does not fit with its experts on the card (BENCHMARKS.md, Pipeline
+stages); `--experts host --expert-cache-gib G` is the way.
 
 Modes, each against one process decoding the same greedy requests: serial (one chunk in flight, one decode
 group), pipelined prefill (a step's chunks in flight on every stage), decode groups (two groups in flight),
@@ -214,7 +214,7 @@ def main() -> None:
            "command": " ".join(["python", *sys.argv]), "layout": args.layout, "stage_layers": split,
            "stage_memory_gib": caps, "caps_applied": cuda, "quantization": args.quantization,
            "ple_table": args.ple_table, "experts": args.experts, "engine_flags": engine_flags(rest),
-           "kv": "16-bit", "modes": table}  # fmt: skip
+           "kv": flags.get("kv_dtype", "auto"), "modes": table}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 

@@ -145,7 +145,7 @@ def run_json(*argv: str) -> dict:
          "--loaded-prompt", "150", "--device", "cpu", "--dtype", "float32", "--page-size", "16",
          "--prefill-chunk", "32", "--kv-capacity", "4096"],
         ["benchmarks/rigs.py", "--layout", "B", "--modes", "serial", "decode groups", "--tokens", "4",
-         "--long", "64"],
+         "--long", "64", "--kv-dtype", "int8"],
     ],
     ids=["bench_prefix", "bench_speculative", "mtp_acceptance", "agents_under_load", "rigs"],
 )  # fmt: skip
@@ -158,9 +158,10 @@ def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
         assert set(res["cold"]["cached_tokens"]) == {0} and res["prefix_reuse"]["cached_tokens"][1] > 0, res
         assert res["outputs_identical"] is True
     if argv[0].endswith("rigs.py"):
-        # layout B's 8,8,17,15 of 48 layers on the default model's 8, each stage's card scaled to it
+        # layout B's 8,8,17,15 of 48 layers on the default model's 8, each stage's card scaled to it, with
+        # the 8-bit KV cache the seed ran it with
         assert res["stage_layers"] == [1, 1, 4, 2] and len(res["stage_memory_gib"]) == 4, res
-        assert 0 < min(res["stage_memory_gib"]) and res["caps_applied"] is False
+        assert 0 < min(res["stage_memory_gib"]) and res["caps_applied"] is False and res["kv"] == "int8"
         for mode in ("one process", "serial", "decode groups"):
             row = res["modes"][mode]
             assert row["outputs_equal"] == "4 of 4" and row["decode_4_tok_per_s"] > 0 and row["ttft_64_s"] > 0

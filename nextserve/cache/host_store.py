@@ -23,17 +23,15 @@ class HostImage:
 
     length: int
     state: dict[str, torch.Tensor]
-    k: torch.Tensor  # [n_attn, n_pages, P, Nkv, D]
-    v: torch.Tensor
-    block_keys: torch.Tensor  # [n_attn, n_pages, P // c, di]
+    planes: list[torch.Tensor]  # KVPool.page_planes of the pages: [n_attn, n_pages, ...] each
     ready: torch.cuda.Event | None = None
     region: ArenaRegion | None = None  # NOTE: the tensors are views of it: it lives as long as they
     n_pages: int = field(init=False)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        tensors = [self.k, self.v, self.block_keys, *self.state.values()]
-        self.n_pages = self.k.shape[1]
+        tensors = [*self.planes, *self.state.values()]
+        self.n_pages = self.planes[0].shape[1]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -53,24 +51,25 @@ def _host_tensors(tensors: list[torch.Tensor], arena: PinnedArena | None) -> tup
 
 
 def to_host(pool: KVPool, length: int, state: dict[str, torch.Tensor], pages: list[int]) -> HostImage:
-    """A host copy of a slot state and of the pages' k, v and block-key planes [n_attn, n_pages, ...].
+    """A host copy of a slot state and of the pages' planes (k, v, block keys; their scales with int8 KV)
+    [n_attn, n_pages, ...].
 
     # NOTE: from a CUDA pool the engine's thread only gathers the pages on the device (its current
     # stream) and queues the copies to host memory on a copy stream, into a region of the pool's pinned
     # host arena (locked once at start: cache/pinned_arena.py). The gathered copies are what is read, so
     # the pool pages may be freed and rewritten at once (later writes run on the current stream, after
     # the gather); each is kept from reuse until the copy stream is past it (record_stream)."""
-    idx = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
-    planes = [plane[:, idx] for plane in (pool.k, pool.v, pool.block_keys)]
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.device)
+    planes = [plane[:, idx] for plane in pool.page_planes()]
     names = list(state)
     tensors = planes + [state[n] for n in names]
     out, region = _host_tensors(tensors, pool.host_arena)
     ready = None
-    if not pool.k.is_cuda:
+    if pool.device.type != "cuda":
         for host, t in zip(out, tensors, strict=True):
             host.copy_(t)
     else:
-        dev = pool.k.device
+        dev = pool.device
         gathered = torch.cuda.Event()
         gathered.record()
         stream = _copy_streams.get(dev) or _copy_streams.setdefault(dev, torch.cuda.Stream(dev))
@@ -83,18 +82,19 @@ def to_host(pool: KVPool, length: int, state: dict[str, torch.Tensor], pages: li
             ready.record(stream)
         if region is not None:
             region.events.append(ready)
-    return HostImage(length, dict(zip(names, out[3:], strict=True)), *out[:3], ready, region)
+    n = len(planes)
+    return HostImage(length, dict(zip(names, out[n:], strict=True)), out[:n], ready, region)
 
 
 def into_pool(pool: KVPool, pages: list[int], host: HostImage) -> dict[str, torch.Tensor]:
     """Write a host image's planes into the pool's `pages` (bit for bit); its slot state on the pool's
     device. On CUDA the current stream first waits for the image's copy to be complete."""
-    dev = pool.k.device
+    dev = pool.device
     if host.ready is not None:
         torch.cuda.current_stream(dev).wait_event(host.ready)
     idx = torch.tensor(pages, dtype=torch.long, device=dev)
-    for plane, planes in ((pool.k, host.k), (pool.v, host.v), (pool.block_keys, host.block_keys)):
-        plane[:, idx] = planes.to(dev, non_blocking=True)
+    for plane, saved in zip(pool.page_planes(), host.planes, strict=True):
+        plane[:, idx] = saved.to(dev, non_blocking=True)
     state = {name: t.to(dev, copy=True, non_blocking=True) for name, t in host.state.items()}
     if host.region is not None and host.ready is not None:  # not handed out again before these reads
         read = torch.cuda.Event()

@@ -6,13 +6,18 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..ops.kv_int8 import KV_DTYPES, Int8Plane
 from .pinned_arena import PinnedArena
 
 
-def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype) -> int:
-    """Bytes a token takes in a pool of `n_attn` attention planes: K and V, and its share of the block key."""
+def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Bytes a token takes in a pool of `n_attn` attention planes: K and V, and its share of the block key;
+    with int8 KV a byte a value and a float32 scale a vector (ops/kv_int8.py)."""
+    c = cfg.indexer_compress_ratio
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / c
+    if kv_dtype == "int8":
+        return int(n_attn * (per_layer + 4 * (2 * cfg.num_key_value_heads + 1 / c))) + 1
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / cfg.indexer_compress_ratio
     return int(n_attn * per_layer * elem) + 1
 
 
@@ -30,9 +35,13 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         first_attn: int = 0,
+        kv_dtype: str = "auto",
     ) -> None:
         """Planes for attention indices first_attn .. first_attn + num_attn_layers - 1 (a pipeline
-        stage keeps only its own layers'; the MTP layer's index is n_qsa)."""
+        stage keeps only its own layers'; the MTP layer's index is n_qsa). kv_dtype int8: the planes
+        hold int8 values with a float32 scale plane each (ops/kv_int8.py), read back in `dtype`."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         c = cfg.indexer_compress_ratio
         if page_size % c:
             raise ValueError(f"page_size {page_size} must be a multiple of indexer_compress_ratio {c}")
@@ -43,14 +52,18 @@ class KVPool:
         # NOTE: one page more than the free list holds: the scratch page padded decode rows (graph
         # buckets) write to. No sequence ever owns it, so nothing reads what lands there.
         self.scratch_page = num_pages
+        self.dtype, self.quantized = dtype, kv_dtype == "int8"
+        store = torch.int8 if self.quantized else dtype
         shape = (num_attn_layers, num_pages + 1, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_keys = torch.zeros(
-            (num_attn_layers, num_pages + 1, self.blocks_per_page, cfg.indexer_head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        key_shape = (num_attn_layers, num_pages + 1, self.blocks_per_page, cfg.indexer_head_dim)
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.block_keys = torch.zeros(key_shape, dtype=store, device=device)
+        # [n_attn, pages + 1, ...] scales of the three planes (int8 KV), else none
+        self.scales = [
+            torch.zeros(t.shape[:-1], dtype=torch.float32, device=device)
+            for t in ((self.k, self.v, self.block_keys) if self.quantized else ())
+        ]
         # NOTE: refcount 0 <=> the page is on the free list. Shared pages (images, prefixes) have
         # refcount > 1 and are copied before a write (copy-on-write).
         self.refcount = [0] * num_pages
@@ -58,17 +71,29 @@ class KVPool:
         # where host copies of these pages go (cache/host_store.py); set by the engine on a CUDA pool
         self.host_arena: PinnedArena | None = None
 
-    def planes(self, attn_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K, V, compressed indexer keys) of one attention layer (model-wide index), every page."""
+    def planes(self, attn_index: int) -> tuple:
+        """(K, V, compressed indexer keys) of one attention layer (model-wide index), every page: tensors,
+        or with int8 KV each an Int8Plane (values and scales, read in the model dtype)."""
         if attn_index not in self.attn:
             raise IndexError(f"attention index {attn_index} is not held here (this pool holds {self.attn})")
         i = attn_index - self.attn.start
-        return self.k[i], self.v[i], self.block_keys[i]
+        planes = (self.k[i], self.v[i], self.block_keys[i])
+        if not self.quantized:
+            return planes
+        return tuple(Int8Plane(t, s[i], self.dtype) for t, s in zip(planes, self.scales, strict=True))
+
+    def page_planes(self) -> list[torch.Tensor]:
+        """Every tensor indexed [n_attn, page, ...]: what a page copy or a host image of pages copies."""
+        return [self.k, self.v, self.block_keys, *self.scales]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every plane (what a host copy of it takes)."""
-        return sum(t[:, 0].numel() * t.element_size() for t in (self.k, self.v, self.block_keys))
+        return sum(t[:, 0].numel() * t.element_size() for t in self.page_planes())
 
     @property
     def num_free(self) -> int:
@@ -98,6 +123,5 @@ class KVPool:
                 self._free.append(p)
 
     def copy_page(self, src: int, dst: int) -> None:
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-        self.block_keys[:, dst] = self.block_keys[:, src]
+        for t in self.page_planes():
+            t[:, dst] = t[:, src]

@@ -76,7 +76,7 @@ class PrefixCache:
                 self.hits += 1
                 return entry.image
             if self.host is not None and (host := self.host.get(hashes[k], tokens)) is not None:
-                image = self.unspill(self.pool, host, self.pool.k.device)
+                image = self.unspill(self.pool, host, self.pool.device)
                 if image is None:
                     continue  # no free pages to bring it back: a shorter image or a cold prefill
                 self.host.drop(hashes[k])

@@ -151,14 +151,14 @@ class SequenceCache:
         # step was a large part of a GPU decode step's launches."""
         if self._table_list != self.block_table:
             self._table_list = list(self.block_table)
-            self._table_dev = upload(self.block_table, torch.long, self.pool.k.device)
+            self._table_dev = upload(self.block_table, torch.long, self.pool.device)
             self._table32 = self._table_dev.to(torch.int32)[None]
         return self._table_dev
 
     def _addresses(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         P = self.pool.page_size
         self._own_pages(start // P, (start + n - 1) // P)
-        pos = torch.arange(start, start + n, device=self.pool.k.device)
+        pos = torch.arange(start, start + n, device=self.pool.device)
         return self._table()[pos // P], pos % P
 
     def write_kv(self, attn_index: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -175,7 +175,7 @@ class SequenceCache:
         )
         last_block = first_block + keys.shape[0] - 1
         self._own_pages(first_block * c // P, last_block * c // P)
-        blocks = torch.arange(first_block, last_block + 1, device=self.pool.k.device)
+        blocks = torch.arange(first_block, last_block + 1, device=self.pool.device)
         self.pool.planes(attn_index)[2][self._table()[blocks // bpp], blocks % bpp] = keys
 
     def kv_view(self, attn_index: int) -> KVView:

@@ -31,6 +31,7 @@ from .setup import (
     build_expert_cache,
     build_prefix,
     capture_graphs,
+    check_kv_dtype,
     check_pipeline,
     check_state_memory,
     host_arena,
@@ -54,6 +55,7 @@ class LLMEngine:
         if config.compile_cache_dir is not None:
             use_compile_cache(config.compile_cache_dir)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        check_kv_dtype(config, self.dtype)
         stages = config.pipeline_stages
         if model is None:
             self.model_config = cfg = ModelConfig.from_dir(config.model)
@@ -97,12 +99,15 @@ class LLMEngine:
             self.model, self.pool, self.slots = build_stage(
                 config.model, cfg, ranges[0], self.dtype, config.state_slots, num_pages, config.page_size,
                 self.device, self.max_context, steps, config.quantization, config.experts == "host",
+                config.kv_dtype,
             )  # fmt: skip
             if cache_slots := slots_for_gib(self.model, config.stage_expert_cache_gib()):
                 self.expert_cache = ExpertCache(self.model, cache_slots, self.device)
         else:
             self.model.prepare(self.max_context)
-            self.pool = KVPool(cfg, n_attn, num_pages, config.page_size, self.dtype, self.device)
+            self.pool = KVPool(
+                cfg, n_attn, num_pages, config.page_size, self.dtype, self.device, kv_dtype=config.kv_dtype
+            )
             self.plan.kv_tokens, self.plan.prefix_images = capacity, images
         self.pool.host_arena = host_arena(config, self.pool)
         if self.plan is not None:

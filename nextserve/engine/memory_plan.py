@@ -194,7 +194,8 @@ def state_plan(
     return MemoryPlan(
         device, slot_bytes=StateSlots.slot_bytes(cfg, kinds, dtype),
         slots=1 + config.max_concurrency, keep_slots=config.max_concurrency * steps,
-        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype), headroom=headroom_bytes(config, cfg, dtype),
+        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype, config.kv_dtype),
+        headroom=headroom_bytes(config, cfg, dtype),
     )  # fmt: skip
 
 

@@ -75,7 +75,7 @@ class Swapper:
         host = self.copies[id(seq)]
         if self.slots.num_free == 0 or self.pages_to_resume(seq, tokens) > self.pool.num_free:
             return None
-        image = self.unspill(self.pool, host, self.pool.k.device)
+        image = self.unspill(self.pool, host, self.pool.device)
         cache = SequenceCache(self.pool, self.slots, lag=self.lag)
         cache.restore(image)
         release_image(self.pool, image)  # the cache holds the pages alone now

@@ -94,7 +94,8 @@ def build_expert_cache(
         return None
     n_attn = len(cfg.qsa_layers) + 1
     context = config.max_context or cfg.max_position_embeddings
-    reserve = headroom_bytes(config, cfg, dtype) + context * kv_bytes_per_token(cfg, n_attn, dtype)
+    per_token = kv_bytes_per_token(cfg, n_attn, dtype, config.kv_dtype)
+    reserve = headroom_bytes(config, cfg, dtype) + context * per_token
     slots = cache_slots(config, model, device, reserve)
     if slots == 0:
         log.info("routed experts in host memory, no device expert cache (--expert-cache-gib)")
@@ -165,6 +166,12 @@ def check_pipeline(
     return stage_layers(L, c.pipeline_stages, counts), devices
 
 
+def check_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> None:
+    """--kv-dtype against the model dtype: bf16 only where it is bfloat16 (auto keeps any)."""
+    if config.kv_dtype == "bf16" and dtype != torch.bfloat16:
+        raise ConfigError(f"kv_dtype bf16 keeps the model dtype, which is {dtype}: say auto")
+
+
 def check_state_memory(
     config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, n_attn: int, steps: int
 ) -> None:
@@ -204,7 +211,7 @@ def kv_capacity(
     # NOTE: an image holds a copy of a state slot beside the pool (its pages are the pool's, shared): with
     # --prefix-cache-images auto the copies get at most 1/IMAGE_SHARE of the pool's memory, taken out of
     # the pool when its size is auto, never added on top of it."""
-    per_token = kv_bytes_per_token(cfg, n_attn, dtype)
+    per_token = kv_bytes_per_token(cfg, n_attn, dtype, config.kv_dtype)
     slot = StateSlots.slot_bytes(cfg, KindRange.of(cfg), dtype)
     cap = config.kv_capacity
     if cap != "auto":
@@ -224,6 +231,7 @@ def kv_capacity(
             held,
             config.experts == "host",
             config.stage_expert_cache_gib(),
+            config.kv_dtype,
         )
         caps = config.stage_memory_caps()
         images = prefix_images(config, need.kv_tokens(ranges, devices, headroom, caps) * per_token, slot)
@@ -273,7 +281,7 @@ def host_images(config: EngineConfig) -> int:
 def host_arena(config: EngineConfig, pool: KVPool) -> PinnedArena | None:
     """The pinned host memory host images are carved from (--host-kv-mib, locked now): for a CUDA pool
     when the host has room (twice that available), else None (each copy then pins its own memory)."""
-    if not pool.k.is_cuda or config.host_kv_mib == 0:
+    if pool.device.type != "cuda" or config.host_kv_mib == 0:
         return None
     if not _host_has_room(config):
         log.warning(

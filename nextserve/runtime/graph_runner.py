@@ -85,7 +85,7 @@ class GraphRunner:
         # NOTE: meta columns: the windows' rows (up to W*G), then the drafter's chain steps (k*G)
         self.cols = G * max(self.windows[-1], self.mtp_windows[-1])
         cols = self.cols + (G * drafter.k if drafter is not None else 0)
-        dev = pool.k.device
+        dev = pool.device
         self.inputs, self.meta, self.table = step_input_buffers(cols, G + 1, max_pages, dev, pin=False)
         self.inputs_host, meta_host, table_host = step_input_buffers(cols, G + 1, max_pages, "cpu", pin=True)
         # NOTE: filled through numpy views of the pinned buffers (see fill_block_tables).
@@ -98,7 +98,7 @@ class GraphRunner:
         # stage's host does not wait for its GPU between steps (one process does, for the tokens).
         self._uploaded = torch.cuda.Event()
         nH = model.cfg.hc_hidden
-        self.x_in = None if model.is_first else torch.zeros(self.cols, nH, dtype=pool.k.dtype, device=dev)
+        self.x_in = None if model.is_first else torch.zeros(self.cols, nH, dtype=pool.dtype, device=dev)
         if drafter is not None:  # the MTP rows' input streams and the chains' first
             dtype = drafter.states.mtp_hidden.dtype
             self.mtp_x = torch.zeros(self.cols, nH, dtype=dtype, device=dev)

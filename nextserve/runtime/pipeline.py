@@ -71,11 +71,11 @@ def stage_layers(num_layers: int, stages: int, counts: list[int] | None = None) 
 def build_stage(
     model_dir: str, cfg: ModelConfig, layers: range, dtype: torch.dtype, num_slots: int, num_pages: int,
     page_size: int, device: torch.device | str = "cpu", max_context: int | None = None, window_steps: int = 0,
-    quantization: str = "auto", experts_host: bool = False,
+    quantization: str = "auto", experts_host: bool = False, kv_dtype: str = "auto",
 ) -> tuple[FlashNext, KVPool, StateSlots]:  # fmt: skip
     """One stage's layers (with their weights only; with `experts_host` its routed experts in pinned host
     memory on a GPU), state slots (with `window_steps` keep slots each: the speculative tokens per verify
-    window) and KV pool."""
+    window) and KV pool (of `kv_dtype`)."""
     last = layers.stop == cfg.num_hidden_layers
     with meta_device():
         model = FlashNext(cfg, layers)
@@ -87,7 +87,10 @@ def build_stage(
     model.eval().prepare(max_context)
     kinds = KindRange.of(cfg, layers)
     slots = StateSlots(cfg, num_slots, len(kinds.attn), dtype, device, kinds=kinds, window_steps=window_steps)
-    pool = KVPool(cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=kinds.attn.start)
+    first = kinds.attn.start
+    pool = KVPool(
+        cfg, len(kinds.attn), num_pages, page_size, dtype, device, first_attn=first, kv_dtype=kv_dtype
+    )
     return model, pool, slots
 
 
@@ -115,6 +118,7 @@ class StageNeeds:
     held: dict[str, int] | None = None  # each tensor's bytes as loaded (memory_plan.held_tensor_bytes)
     experts_host: bool = False  # the routed experts in host memory: none of their bytes on the GPU
     expert_cache_gib: float = 0.0  # each stage's device cache of them
+    kv_dtype: str = "auto"  # the KV planes' form (ops/kv_int8.py)
 
     def bytes_and_kv_per_token(self, layers: range) -> tuple[int, int]:
         """(bytes of the stage's weights and state slots, bytes per token of its KV planes). Weights count as
@@ -134,7 +138,7 @@ class StageNeeds:
             weights += math.prod(shapes["embed_tokens.weight"]) * elem
         slots = StateSlots.slot_bytes(cfg, kinds, self.dtype) * (1 + self.num_slots * (1 + self.window_steps))
         cache = int(self.expert_cache_gib * 2**30)
-        return weights + slots + cache, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype)
+        return weights + slots + cache, kv_bytes_per_token(cfg, len(kinds.attn), self.dtype, self.kv_dtype)
 
     def kv_tokens(
         self, ranges: list[range], devices: list[torch.device], headroom: int, caps: list[float] | None = None
@@ -177,7 +181,7 @@ class PipelineRunner(StageWorker):
         self, config: EngineConfig, model: FlashNext, pool: KVPool, slots: StateSlots, stages: list[range],
         devices: list[torch.device], max_context: int,
     ) -> None:  # fmt: skip
-        cfg, dtype, kind = model.cfg, pool.k.dtype, config.stage_transport_kind()
+        cfg, dtype, kind = model.cfg, pool.dtype, config.stage_transport_kind()
         caps = config.stage_memory_caps()
         port = free_port()
         arena_mib = pool.host_arena.nbytes >> 20 if pool.host_arena is not None else 0
@@ -187,7 +191,7 @@ class PipelineRunner(StageWorker):
                        kind, config.pdl, max_context, config.cuda_graph, slots.window_steps,
                        config.quantization, mtp_tokens(config), config.head_embedding, arena_mib,
                        None if caps is None else caps[rank], config.experts == "host",
-                       config.stage_expert_cache_gib())
+                       config.stage_expert_cache_gib(), config.kv_dtype)
             for rank in range(1, len(stages))
         ]  # fmt: skip
         channel, self.procs = start_stages(setups, port)

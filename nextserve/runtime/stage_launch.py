@@ -54,6 +54,7 @@ class StageSetup:
     memory_gib: float | None = None  # this stage's GPU memory cap (--stage-memory-gib; None: none)
     experts_host: bool = False  # its routed experts in pinned host memory (--experts host)
     expert_cache_gib: float = 0.0  # its device cache of them (--expert-cache-gib; 0: none)
+    kv_dtype: str = "auto"  # its KV planes' form (--kv-dtype)
 
 
 @wire_type
@@ -83,6 +84,7 @@ class RankSetup:
     memory_gib: float | None = None
     experts_host: bool = False
     expert_cache_gib: float = 0.0
+    kv_dtype: str = "auto"
 
     @classmethod
     def of(cls, s: StageSetup) -> RankSetup:
@@ -91,7 +93,7 @@ class RankSetup:
                    s.num_pages, s.page_size, s.threads, torch.device(s.device).type, s.transport, s.pdl,
                    s.max_context, s.cuda_graph, s.window_steps, s.quantization, s.mtp_tokens,
                    s.head_embedding, s.host_arena_mib, s.memory_gib, s.experts_host,
-                   float(s.expert_cache_gib))  # fmt: skip
+                   float(s.expert_cache_gib), s.kv_dtype)  # fmt: skip
 
     def stage_setup(self, rank: int, world: int, local_rank: int) -> StageSetup:
         device = f"cuda:{local_rank}" if self.device_type == "cuda" else "cpu"
@@ -100,7 +102,7 @@ class RankSetup:
             DTYPES[self.dtype], self.num_slots, self.num_pages, self.page_size, rank, world, 0, self.threads,
             device, self.transport, self.pdl, self.max_context, self.cuda_graph, self.window_steps,
             self.quantization, self.mtp_tokens, self.head_embedding, self.host_arena_mib, self.memory_gib,
-            self.experts_host, self.expert_cache_gib,
+            self.experts_host, self.expert_cache_gib, self.kv_dtype,
         )  # fmt: skip
 
 

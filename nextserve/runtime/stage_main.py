@@ -47,7 +47,7 @@ def stage_main(setup: StageSetup, channel: StageChannel | None = None) -> None:
     model, pool, slots = build_stage(
         setup.model_dir, setup.cfg, setup.layers, setup.dtype, setup.num_slots, setup.num_pages,
         setup.page_size, device, setup.max_context, setup.window_steps, setup.quantization,
-        setup.experts_host,
+        setup.experts_host, setup.kv_dtype,
     )  # fmt: skip
     if device.type == "cuda" and setup.host_arena_mib:
         pool.host_arena = PinnedArena(setup.host_arena_mib * 2**20)  # (full: a copy pins its own)

@@ -26,29 +26,33 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
     return cfg, model.eval(), mtp.eval()
 
 
-def new_cache(cfg: ModelConfig, dtype: torch.dtype, tokens: int, page_size: int = 16):
-    """One sequence's cache (main QSA layers + the MTP layer's planes) for `tokens` positions."""
+def new_cache(cfg: ModelConfig, dtype: torch.dtype, tokens: int, page_size: int = 16, kv_dtype: str = "auto"):
+    """One sequence's cache (main QSA layers + the MTP layer's planes) for `tokens` positions, its KV planes
+    of `kv_dtype` (KVPool)."""
     from ..cache.kv_pool import KVPool
     from ..cache.sequence import SequenceCache
     from ..cache.states import StateSlots
 
     n_attn = len(cfg.qsa_layers) + 1
-    pool = KVPool(cfg, n_attn, -(-tokens // page_size) + 1, page_size, dtype)
+    pool = KVPool(cfg, n_attn, -(-tokens // page_size) + 1, page_size, dtype, kv_dtype=kv_dtype)
     seq = SequenceCache(pool, StateSlots(cfg, 1, n_attn, dtype))
     seq.reserve(tokens)
     return seq
 
 
 @torch.no_grad()
-def validation_loss(model: FlashNext, ids: list[int], window: int, windows: int, dtype=torch.float32) -> dict:
+def validation_loss(
+    model: FlashNext, ids: list[int], window: int, windows: int, dtype=torch.float32, kv_dtype: str = "auto"
+) -> dict:
     """Mean next-token cross-entropy over `windows` non-overlapping windows of held-out tokens, each
-    prefilled from position 0 as one chunk (the serial reference with chunk >= window)."""
+    prefilled from position 0 as one chunk (the serial reference with chunk >= window), the KV cache of
+    `kv_dtype`."""
     total, n = 0.0, 0
     for w in range(windows):
         x = torch.tensor(ids[w * window : (w + 1) * window + 1])
         if x.numel() < window + 1:
             break
-        cache = new_cache(model.cfg, dtype, window)
+        cache = new_cache(model.cfg, dtype, window, kv_dtype=kv_dtype)
         batch = ForwardBatch(x[:-1], torch.arange(window), [SeqChunk(cache, 0, window)], False)
         logits = model.logits(model(batch), row_invariant=False)
         total += F.cross_entropy(logits.float(), x[1:]).item()

@@ -51,7 +51,7 @@ def test_without_pages_to_bring_it_back_the_prompt_runs_cold(oracle_llm, solo_ru
 
 def _host_image(nbytes_rows: int) -> HostImage:
     z, no_pages = torch.zeros(nbytes_rows, dtype=torch.uint8), torch.zeros(1, 0, dtype=torch.uint8)
-    return HostImage(64, {"s": z}, no_pages, no_pages, no_pages)
+    return HostImage(64, {"s": z}, [no_pages, no_pages, no_pages])
 
 
 def test_store_bounds_images_and_bytes_lru() -> None:

@@ -49,6 +49,7 @@ KNOWN_VALUES = {
     "host_state_slots": 3,
     "speculative_method": "mtp",  # (--pipeline-windows, flipped on, needs it)
     "prefill_batch_chunks": 1,  # (more is one process's: --pipeline-stages is 2 here)
+    "kv_dtype": "int8",
 }
 
 
@@ -97,12 +98,14 @@ def test_bad_flag_values_are_clear_errors(capsys):
     for argv in (
         ["serve", "--model", "/m", "--page-size", "0"],
         ["serve", "--model", "/m", "--kv-capacity", "lots"],
+        ["serve", "--model", "/m", "--kv-dtype", "fp8"],
+        ["serve", "--model", "/m", "--kv-dtype", "int4"],
     ):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "page_size" in err and "kv_capacity" in err
+    assert "page_size" in err and "kv_capacity" in err and "kv_dtype fp8 is not built" in err
 
 
 def _free_port() -> int:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import pdl_args, pdl_start
+from .kv_int8 import dequantize_rows, int8_args
 
 LOG2E = 1.4426950408889634
 
@@ -25,10 +26,10 @@ LOG2E = 1.4426950408889634
 # own, at a request's first chunk after the warm-up (tests/gpu/test_warm_up.py).
 @triton.jit(do_not_specialize=["max_blocks", "stride_btb", "stride_ob"])
 def _index_scores_kernel(
-    q_ptr, key_ptr, bt_ptr, nb_ptr, out_ptr, max_blocks, bpp, inv_scale,
-    stride_qb, stride_qh, stride_kp, stride_ki, stride_btb, stride_ob,
+    q_ptr, key_ptr, ks_ptr, bt_ptr, nb_ptr, out_ptr, max_blocks, bpp, inv_scale,
+    stride_qb, stride_qh, stride_kp, stride_ki, stride_ksp, stride_btb, stride_ob,
     NI: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_J: tl.constexpr,
-    PDL: tl.constexpr = False,
+    KV_INT8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_start(PDL)
     b = tl.program_id(0)
@@ -42,7 +43,11 @@ def _index_scores_kernel(
         key_ptr + page[:, None] * stride_kp + (j % bpp)[:, None] * stride_ki + d[None, :],
         mask=valid[:, None] & dm[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if KV_INT8:
+        ks = tl.load(ks_ptr + page * stride_ksp + j % bpp, mask=valid, other=0.0)
+        keys = dequantize_rows(keys, ks, q_ptr.dtype.element_ty)
+    keys = keys.to(tl.float32)
     acc = tl.zeros((BLOCK_J,), dtype=tl.float32)
     for h in tl.static_range(NI):
         qh = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dm, other=0.0).to(tl.float32)
@@ -59,12 +64,12 @@ def triton_index_scores(
     max_blocks: int,
     block_j: int = 64,
 ) -> torch.Tensor:
-    """q_idx [B, Ni, di], key_plane [pages, bpp, di], block_table [B, maxP], n_blocks [B] ->
-    [B, max_blocks] float32: sum_h relu(q_h . k_j) / sqrt(di) for j < n_blocks[b], -inf after.
-    Grid (B, max_blocks / block_j); each program scores block_j blocks of one row in float32."""
+    """q_idx [B, Ni, di], key_plane [pages, bpp, di] (or an Int8Plane of it), block_table [B, maxP],
+    n_blocks [B] -> [B, max_blocks] float32: sum_h relu(q_h . k_j) / sqrt(di) for j < n_blocks[b], -inf
+    after. Grid (B, max_blocks / block_j); each program scores block_j blocks of one row in float32."""
     B, NI, DI = q_idx.shape
     q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
-    key_plane = key_plane if key_plane.stride(-1) == 1 else key_plane.contiguous()
+    key_plane, key_scale, int8 = int8_args(key_plane)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     n_blocks = n_blocks.contiguous()
     out = torch.empty((B, max_blocks), dtype=torch.float32, device=q_idx.device)
@@ -72,23 +77,24 @@ def triton_index_scores(
         return out
     grid = (B, triton.cdiv(max_blocks, block_j))
     _index_scores_kernel[grid](
-        q_idx, key_plane, block_table, n_blocks, out, max_blocks, key_plane.shape[1], 1.0 / math.sqrt(DI),
-        q_idx.stride(0), q_idx.stride(1), key_plane.stride(0), key_plane.stride(1),
-        block_table.stride(0), out.stride(0),
-        NI=NI, DI=DI, BLOCK_DI=triton.next_power_of_2(DI), BLOCK_J=block_j, **pdl_args(q_idx),
+        q_idx, key_plane, key_scale, block_table, n_blocks, out, max_blocks, key_plane.shape[1],
+        1.0 / math.sqrt(DI), q_idx.stride(0), q_idx.stride(1), key_plane.stride(0), key_plane.stride(1),
+        key_scale.stride(0), block_table.stride(0), out.stride(0),
+        NI=NI, DI=DI, BLOCK_DI=triton.next_power_of_2(DI), BLOCK_J=block_j, KV_INT8=int8, **pdl_args(q_idx),
     )  # fmt: skip
     return out
 
 
 @triton.jit(do_not_specialize=["L", "tiles_per_split", "stride_btb", "stride_tb", "stride_mb", "stride_mh"])
 def _paged_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, mo_ptr, mm_ptr, ml_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tok_ptr, mo_ptr, mm_ptr, ml_ptr, o_ptr,
     L, tiles_per_split, page_size, qk_scale,
     stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+    stride_sp, stride_so,
     stride_btb, stride_tb, stride_mob, stride_moh, stride_mos, stride_mb, stride_mh, stride_ob, stride_oh,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    KV_INT8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): online softmax over the split's tiles of the row's token list,
     for the kv head's REP query heads at once. Writes the unnormalised output, max and sum (log2);
@@ -124,6 +130,9 @@ def _paged_attn_split_kernel(
                 mask=kv_m,
                 other=0.0,
             )
+            if KV_INT8:  # (the scale planes [pages, P, Nkv] share their strides)
+                scale_at = page * stride_sp + off * stride_so + g
+                k = dequantize_rows(k, tl.load(ks_ptr + scale_at, mask=valid, other=0.0), q.dtype)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -138,6 +147,8 @@ def _paged_attn_split_kernel(
                 mask=kv_m,
                 other=0.0,
             )
+            if KV_INT8:
+                v = dequantize_rows(v, tl.load(vs_ptr + scale_at, mask=valid, other=0.0), q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -198,8 +209,9 @@ def triton_paged_sparse_attention(
     num_splits: int = 32,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """q [B, Nq, D]; k_plane, v_plane [pages, P, Nkv, D]; block_table [B, maxP]; tokens [B, L]
-    (-1 = none) -> [B, Nq, D] in q.dtype: each row's attention over its valid tokens (GQA).
+    """q [B, Nq, D]; k_plane, v_plane [pages, P, Nkv, D] (or Int8Planes of them: each tile dequantized to
+    q's dtype as it is loaded); block_table [B, maxP]; tokens [B, L] (-1 = none) -> [B, Nq, D] in
+    q.dtype: each row's attention over its valid tokens (GQA).
 
     Grid (B, Nkv, S) then (B, Nq): the token list is cut into `tile`-token tiles, the tiles into
     S = ceil(tiles / ceil(tiles / num_splits)) consecutive splits (S depends on L only, never on B).
@@ -212,8 +224,9 @@ def triton_paged_sparse_attention(
     L = tokens.shape[1]
     rep = Nq // Nkv
     q = q if q.stride(-1) == 1 else q.contiguous()
-    k_plane = k_plane if k_plane.stride(-1) == 1 else k_plane.contiguous()
-    v_plane = v_plane if v_plane.stride(-1) == 1 else v_plane.contiguous()
+    k_plane, k_scale, int8 = int8_args(k_plane)
+    v_plane, v_scale, _ = int8_args(v_plane)
+    assert k_scale.stride() == v_scale.stride(), "the K and V scale planes share their strides"
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
     out = torch.empty((B, Nq, D), dtype=q.dtype, device=q.device)
@@ -229,14 +242,14 @@ def triton_paged_sparse_attention(
     ml = torch.empty_like(mm)
     BLOCK_D = triton.next_power_of_2(D)
     _paged_attn_split_kernel[(B, Nkv, S)](
-        q, k_plane, v_plane, block_table, tokens, mo, mm, ml, out,
+        q, k_plane, v_plane, k_scale, v_scale, block_table, tokens, mo, mm, ml, out,
         L, tiles_per_split, P, scaling * LOG2E,
         q.stride(0), q.stride(1), k_plane.stride(0), k_plane.stride(1), k_plane.stride(2),
-        v_plane.stride(0), v_plane.stride(1), v_plane.stride(2),
+        v_plane.stride(0), v_plane.stride(1), v_plane.stride(2), k_scale.stride(0), k_scale.stride(1),
         block_table.stride(0), tokens.stride(0), mo.stride(0), mo.stride(1), mo.stride(2),
         mm.stride(0), mm.stride(1), out.stride(0), out.stride(1),
         REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_D=BLOCK_D, TILE=tile,
-        IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, **pdl_args(q),
+        IEEE=q.dtype == torch.float32, DIRECT=direct, KV_INT8=int8, num_warps=num_warps, **pdl_args(q),
     )  # fmt: skip
     if not direct:
         _paged_attn_combine_kernel[(B, Nq)](
