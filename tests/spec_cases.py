@@ -10,6 +10,22 @@ from nextserve.engine_config import EngineConfig
 from nextserve.model.batch import ForwardBatch, SeqChunk
 
 
+def serial_reference(flags: dict, params: list[SamplingParams]) -> tuple[LLM, list[str], dict]:
+    """(the LLM, py_prompts(), {i: outputs under params[i]}) of the default model's serial reference
+    (max_concurrency 1) with engine `flags`, on one torch thread as the speed-mode tests run them
+    (`one_torch_thread`: CPU GEMMs may split their sums by the thread count)."""
+    from nextserve.engine_config import DEFAULT_MODEL
+
+    prompts = py_prompts()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(DEFAULT_MODEL, max_concurrency=1, **flags)
+        return llm, prompts, {i: llm.generate(prompts, p) for i, p in enumerate(params)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def spec_prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(2)
     return [torch.randint(8, 250, (n,), generator=g).tolist() for n in (37, 45, 61)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pool_check import assert_pool_full
-from spec_cases import py_prompts, same
+from spec_cases import same, serial_reference
 
 from nextserve import LLM, SamplingParams
 from nextserve.engine_config import DEFAULT_MODEL
@@ -23,18 +23,10 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def serial():
-    """The serial reference, on one torch thread as the modes below run (`one_torch_thread`: CPU GEMMs may
-    split their sums by the thread count)."""
-    prompts = py_prompts()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(DEFAULT_MODEL, max_concurrency=1, **FLAGS)
-        experts = llm.engine.model.layers["0"].mlp.experts
-        assert experts.gate_up_proj.dtype == torch.int32  # held as int4 words
-        return prompts, {i: llm.generate(prompts, p) for i, p in enumerate(PARAMS)}
-    finally:
-        torch.set_num_threads(threads)
+    llm, prompts, outputs = serial_reference(FLAGS, PARAMS)
+    experts = llm.engine.model.layers["0"].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.int32  # held as int4 words
+    return prompts, outputs
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from pool_check import assert_pool_full
-from spec_cases import py_prompts, same
+from spec_cases import same, serial_reference
 
 from nextserve import LLM, SamplingParams
 from nextserve.config import ConfigError
@@ -27,17 +27,11 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def serial():
-    """The serial reference with int8 KV, on one torch thread as the modes below run."""
-    prompts = py_prompts()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(DEFAULT_MODEL, max_concurrency=1, **FLAGS)
-        pool = llm.engine.pool
-        assert pool.k.dtype == torch.int8 and pool.quantized and len(pool.scales) == 3
-        return prompts, {i: llm.generate(prompts, p) for i, p in enumerate(PARAMS)}
-    finally:
-        torch.set_num_threads(threads)
+    """The serial reference with int8 KV."""
+    llm, prompts, outputs = serial_reference(FLAGS, PARAMS)
+    pool = llm.engine.pool
+    assert pool.k.dtype == torch.int8 and pool.quantized and len(pool.scales) == 3
+    return prompts, outputs
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_cases import py_prompts, same
+from spec_cases import same, serial_reference
 from torch import nn
 
 from nextserve import LLM, SamplingParams
@@ -31,14 +31,7 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def serial():
-    prompts = py_prompts()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(DEFAULT_MODEL, max_concurrency=1, **FLAGS)
-        return prompts, {i: llm.generate(prompts, p) for i, p in enumerate(PARAMS)}
-    finally:
-        torch.set_num_threads(threads)
+    return serial_reference(FLAGS, PARAMS)[1:]
 
 
 @pytest.mark.parametrize(
