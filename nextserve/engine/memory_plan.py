@@ -55,6 +55,7 @@ class MemoryPlan:
     slots: int = 0  # state slots (sequences, plus the scratch slot)
     keep_slots: int = 0
     kv_per_token: int = 0
+    kv_dtype: str = "auto"  # --kv-dtype: int8 planes hold a byte a value and their scales
     kv_tokens: int = 0
     prefix_images: int = 0  # state copies kept for prefix reuse (taken out of the KV pool's memory)
     headroom: int = 0
@@ -96,8 +97,9 @@ class MemoryPlan:
         if self.kv_tokens:
             kv = self.kv_tokens * self.kv_per_token
             fit = self.kv_tokens // SEQUENCE_TOKENS
+            form = " in int8 with scales" if self.kv_dtype == "int8" else ""
             lines.append(
-                f"  KV pool: {self.kv_tokens:,} tokens x {self.kv_per_token:,} B = {gib(kv)} "
+                f"  KV pool{form}: {self.kv_tokens:,} tokens x {self.kv_per_token:,} B = {gib(kv)} "
                 f"({fit} sequences of {SEQUENCE_TOKENS // 1024}K tokens)"
             )
         if self.prefix_images:
@@ -194,7 +196,7 @@ def state_plan(
     return MemoryPlan(
         device, slot_bytes=StateSlots.slot_bytes(cfg, kinds, dtype),
         slots=1 + config.max_concurrency, keep_slots=config.max_concurrency * steps,
-        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype, config.kv_dtype),
+        kv_per_token=kv_bytes_per_token(cfg, n_attn, dtype, config.kv_dtype), kv_dtype=config.kv_dtype,
         headroom=headroom_bytes(config, cfg, dtype),
     )  # fmt: skip
 

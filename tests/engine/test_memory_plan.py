@@ -83,6 +83,19 @@ def test_the_table_names_the_host_arena():
     assert "host arena" not in MemoryPlan(torch.device("cpu"), slot_bytes=2**20, slots=3).table()
 
 
+def test_the_table_says_an_int8_kv_pool_and_plans_its_bytes() -> None:
+    from nextserve.engine.memory_plan import state_plan
+
+    cfg = ModelConfig.from_dir(EngineConfig().model)
+    cpu = torch.device("cpu")
+    wide = state_plan(EngineConfig(max_concurrency=4), cfg, cpu, torch.bfloat16, 0)
+    int8 = state_plan(EngineConfig(max_concurrency=4, kv_dtype="int8"), cfg, cpu, torch.bfloat16, 0)
+    assert int8.kv_dtype == "int8" and int8.kv_per_token < 0.56 * wide.kv_per_token
+    int8.kv_tokens = wide.kv_tokens = 65536
+    assert "KV pool in int8 with scales: 65,536 tokens" in int8.table()
+    assert "KV pool: 65,536 tokens" in wide.table()
+
+
 def test_experts_flag_values() -> None:
     for good in ("auto", "device", "host"):
         EngineConfig(experts=good)
