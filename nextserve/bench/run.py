@@ -125,6 +125,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the engine's --expert-cache-gib with --experts host: GiB, 0 or auto (default: auto)",
     )  # fmt: skip
     p.add_argument(
+        "--kv-dtype", choices=["auto", "int8"], default="auto",
+        help="the engine's --kv-dtype: the model dtype, or int8 values with a float32 scale a vector "
+        "(default: auto)",
+    )  # fmt: skip
+    p.add_argument(
         "--gpu-memory-gib", type=float, default=None,
         help="the engine's --gpu-memory-gib: act as if the GPU had this many GiB (default: its own)",
     )  # fmt: skip
@@ -216,7 +221,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         prefill_chunk=args.prefill_chunk, max_concurrency=max_conc, kv_capacity=capacity,
         max_context=capacity, page_size=args.page_size, max_pending=max(256, max_conc),
         cuda_graph=args.cuda_graph, pdl=args.pdl, async_scheduling=args.async_scheduling, prefix_cache=False,
-        gpu_memory_gib=args.gpu_memory_gib,
+        gpu_memory_gib=args.gpu_memory_gib, kv_dtype=args.kv_dtype,
     )  # fmt: skip
     if args.experts == "host":
         gib = args.expert_cache_gib
@@ -256,7 +261,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     host = frozenset(n for n, p in model.named_parameters() if p.device.type != device.type)  # pinned
     if device.type == "cuda":  # what is left for KV once the weights, slots and graphs are in
         free, total = torch.cuda.mem_get_info(device)
-        per_seq = 65536 * kv_bytes_per_token(cfg, len(cfg.qsa_layers) + 1, dtype)
+        per_seq = 65536 * kv_bytes_per_token(cfg, len(cfg.qsa_layers) + 1, dtype, args.kv_dtype)
         res["memory_after_build"] = {
             "free_bytes": free, "total_bytes": total,
             "sequences_of_64k_tokens_in_the_free_memory_less_2_GiB": max(0, (free - 2 * 2**30) // per_seq),
