@@ -44,13 +44,12 @@ from nextserve_side import engine_flags  # noqa: E402
 
 from nextserve import LLM, SamplingParams  # noqa: E402
 from nextserve.bench.meters import EnergyMeter  # noqa: E402
-from nextserve.bench.model import bench_config  # noqa: E402
+from nextserve.bench.model import bench_config, fp8_held, int4_held  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.config import ModelConfig  # noqa: E402
 from nextserve.engine.memory_plan import tensor_bytes, weight_kind  # noqa: E402
 from nextserve.engine_config import DEFAULT_MODEL  # noqa: E402
 from nextserve.model.loader import INT4_GROUP, model_fp8_capable  # noqa: E402
-from nextserve.model.quant import default_fp8  # noqa: E402
 from nextserve.model.shapes import expected_shapes  # noqa: E402
 from nextserve.runtime.pipeline import in_stage  # noqa: E402
 
@@ -81,14 +80,14 @@ def stage_weight_bytes(
 ) -> list[int]:
     """Bytes of each stage's weights on its card (its layers; the first the embeddings, the last the head) as
     `--quantization` of a 16-bit checkpoint holds them (memory_plan.tensor_bytes of the loader's choice:
-    the projections and experts default_fp8 converts, int4 where INT4_GROUP divides the input), without the
-    kinds (memory_plan.weight_kind: "PLE", "experts") held in host memory."""
+    bench.model's fp8_held and int4_held), without the kinds (memory_plan.weight_kind: "PLE", "experts")
+    held in host memory."""
     shapes = expected_shapes(cfg, with_mtp=False)
-    scheme = default_fp8()
-    converted = {n for n in model_fp8_capable(cfg, False) if scheme.converted(n.removesuffix(".weight"))}
-    fp8 = converted if quantization == "fp8" else set()
-    int4 = {n: (INT4_GROUP, torch.bfloat16, True) for n in converted if shapes[n][-1] % INT4_GROUP == 0}
-    sizes = tensor_bytes(shapes, fp8, torch.bfloat16, int4 if quantization == "int4" else {})
+    capable = model_fp8_capable(cfg, False)
+    fp8 = fp8_held(capable, cfg) if quantization == "fp8" else set()
+    held = int4_held(capable, shapes) if quantization == "int4" else set()
+    int4 = {n: (INT4_GROUP, torch.bfloat16, True) for n in held}
+    sizes = tensor_bytes(shapes, fp8, torch.bfloat16, int4)
     bounds = [0, *itertools.accumulate(split)]
     return [
         sum(

@@ -9,6 +9,13 @@ from nextserve.engine.engine import LLMEngine
 from nextserve.engine_config import EngineConfig
 from nextserve.model.batch import ForwardBatch, SeqChunk
 
+# The default model's speed-mode tests (int4 weights, int8 KV): engine flags besides the format, and requests
+MODE_FLAGS = dict(device="cpu", dtype="float32", prefill_chunk=32, page_size=16, kv_capacity=4096)
+MODE_PARAMS = [
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=5, ignore_eos=True, logprobs=1),
+]
+
 
 def serial_reference(flags: dict, params: list[SamplingParams]) -> tuple[LLM, list[str], dict]:
     """(the LLM, py_prompts(), {i: outputs under params[i]}) of the default model's serial reference

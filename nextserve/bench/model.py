@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,26 +46,35 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def fp8_names(model: FlashNext) -> set[str]:
-    """What `--quantization fp8` holds in FP8 of a model: its projections and experts that model/quant.py's
-    DEFAULT_NOT_CONVERTED converts, the experts when their gate and up rows start on scale blocks."""
+    """What `--quantization fp8` holds in FP8 of a model (`fp8_held` of its FP8-capable tensors)."""
+    return fp8_held(fp8_capable(model), model.cfg)
+
+
+def int4_names(model: FlashNext) -> set[str]:
+    """What `--quantization int4` holds in int4 of a model (`int4_held` of its FP8-capable tensors)."""
+    return int4_held(fp8_capable(model), {n: tuple(p.shape) for n, p in model.named_parameters()})
+
+
+def fp8_held(capable: Iterable[str], cfg: ModelConfig) -> set[str]:
+    """Of the tensors an FP8 op reads (`capable`), those `--quantization fp8` holds in FP8: the projections
+    and experts that model/quant.py's DEFAULT_NOT_CONVERTED converts, the experts when their gate and up rows
+    start on scale blocks."""
     scheme = default_fp8()
-    aligned = model.cfg.moe_intermediate_size % BLOCK == 0
+    aligned = cfg.moe_intermediate_size % BLOCK == 0
     return {
         n
-        for n in fp8_capable(model)
+        for n in capable
         if scheme.converted(n.removesuffix(".weight")) and (aligned or ".mlp.experts." not in n)
     }
 
 
-def int4_names(model: FlashNext) -> set[str]:
-    """What `--quantization int4` holds in int4 of a model: what `--quantization int4` of a checkpoint does
-    (the projections and experts DEFAULT_NOT_CONVERTED converts whose input dimension INT4_GROUP divides)."""
+def int4_held(capable: Iterable[str], shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """Of the tensors an int4 op reads (`capable`, shapes by name), those `--quantization int4` of a
+    checkpoint holds in int4: the ones DEFAULT_NOT_CONVERTED converts whose input dimension INT4_GROUP
+    divides."""
     scheme = default_fp8()
-    shapes = dict(model.named_parameters())
     return {
-        n
-        for n in fp8_capable(model)
-        if scheme.converted(n.removesuffix(".weight")) and shapes[n].shape[-1] % INT4_GROUP == 0
+        n for n in capable if scheme.converted(n.removesuffix(".weight")) and shapes[n][-1] % INT4_GROUP == 0
     }
 
 

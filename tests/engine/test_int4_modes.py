@@ -7,18 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from pool_check import assert_pool_full
-from spec_cases import same, serial_reference
+from spec_cases import MODE_FLAGS, MODE_PARAMS, same, serial_reference
 
-from nextserve import LLM, SamplingParams
+from nextserve import LLM
 from nextserve.engine_config import DEFAULT_MODEL
 
-FLAGS = dict(
-    device="cpu", dtype="float32", prefill_chunk=32, page_size=16, kv_capacity=4096, quantization="int4"
-)
-PARAMS = [
-    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=5, ignore_eos=True, logprobs=1),
-]
+FLAGS = MODE_FLAGS | dict(quantization="int4")
+PARAMS = MODE_PARAMS
 
 
 @pytest.fixture(scope="module")

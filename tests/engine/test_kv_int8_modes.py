@@ -11,18 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from pool_check import assert_pool_full
-from spec_cases import same, serial_reference
+from spec_cases import MODE_FLAGS, MODE_PARAMS, same, serial_reference
 
-from nextserve import LLM, SamplingParams
+from nextserve import LLM
 from nextserve.config import ConfigError
 from nextserve.engine.setup import check_kv_dtype
 from nextserve.engine_config import DEFAULT_MODEL, EngineConfig
 
-FLAGS = dict(device="cpu", dtype="float32", prefill_chunk=32, page_size=16, kv_capacity=4096, kv_dtype="int8")
-PARAMS = [
-    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=5, ignore_eos=True, logprobs=1),
-]
+FLAGS = MODE_FLAGS | dict(kv_dtype="int8")
+PARAMS = MODE_PARAMS
 
 
 @pytest.fixture(scope="module")
