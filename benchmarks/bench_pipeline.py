@@ -34,7 +34,9 @@ def stage_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--pipeline-devices", default=None)
-    ap.add_argument("--stage-transport", default="auto")
+    ap.add_argument(
+        "--stage-transport", nargs="+", default=["auto"], help="one or more: each is measured side by side"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (every stage runs the driver's)")
     ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
 
@@ -56,13 +58,14 @@ def main() -> None:
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     flags = dict(device=a.device, dtype=a.dtype, max_concurrency=a.requests)
     engines = {"one process": LLM(a.model, **flags)}
-    for groups in a.groups:
-        for graph in (True, False) if a.eager_too else (True,):
-            name = f"{a.stages} stages, {groups} groups" + ("" if graph else ", eager")
-            engines[name] = LLM(
-                a.model, pipeline_stages=a.stages, decode_groups=groups, pipeline_devices=a.pipeline_devices,
-                stage_transport=a.stage_transport, cuda_graph=graph, **flags,
-            )  # fmt: skip
+    for transport in a.stage_transport:
+        for groups in a.groups:
+            for graph in (True, False) if a.eager_too else (True,):
+                name = f"{a.stages} stages, {groups} groups, {transport}" + ("" if graph else ", eager")
+                engines[name] = LLM(
+                    a.model, pipeline_stages=a.stages, decode_groups=groups, stage_transport=transport,
+                    pipeline_devices=a.pipeline_devices, cuda_graph=graph, **flags,
+                )  # fmt: skip
     want = [o.token_ids for o in engines["one process"].generate(prompts, params)]
     walls: dict[str, list[float]] = {name: [] for name in engines}
     same = {}
@@ -77,11 +80,18 @@ def main() -> None:
         for llm in engines.values():
             llm.close()
     modes = {}
+    base = statistics.median(walls["one process"])
     for name, w in walls.items():
         med = statistics.median(w)
         tps = round(a.requests * a.tokens / med, 2)
         modes[name] = {"wall_s": w, "median_wall_s": med, "tokens_per_s": tps,
                        "tokens_equal_one_process": same[name]}  # fmt: skip
+        if name != "one process":
+            # NOTE: a token crosses every stage boundary once and comes back to stage 0 once (its logits):
+            # `stages` hops. What the stages add to a round, spread over its decode steps' hops, is the
+            # hop's cost when the stages' own work is the one process's (one request: nothing overlaps).
+            hops = a.stages * a.tokens
+            modes[name]["extra_us_per_hop"] = round((med - base) / hops * 1e6, 1)
     out = {"benchmark": "bench_pipeline", "git": git_info(a.revision), "hardware": hardware(a.device),
            "command": " ".join(["python", *sys.argv]), "settings": vars(a), "modes": modes}  # fmt: skip
     print(json.dumps(out, indent=1))

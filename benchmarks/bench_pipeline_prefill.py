@@ -61,14 +61,15 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     engines = {
-        f"{a.stages} stages, --pipeline-prefill-chunks {chunks}": LLM(
+        f"{a.stages} stages, --pipeline-prefill-chunks {chunks}, {transport}": LLM(
             a.model,
             pipeline_stages=a.stages,
             pipeline_devices=a.pipeline_devices,
-            stage_transport=a.stage_transport,
+            stage_transport=transport,
             pipeline_prefill_chunks=chunks if chunks == "auto" else int(chunks),
             **flags,
         )  # fmt: skip
+        for transport in a.stage_transport
         for chunks in a.chunks
     }
     walls: dict[str, list[float]] = {name: [] for name in engines}
