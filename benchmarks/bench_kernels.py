@@ -7,6 +7,7 @@ object with the revision, the hardware and the command):
 NAME is a module of benchmarks/kernels/:
     small_m_gemm        the row-invariant small-M GEMM (16-bit decode projections) against cuBLAS, --sweep
     fp8_gemv            the same GEMV on block-wise FP8 weights, --sweep of its configurations
+    fp8_prefill         a prefill chunk's FP8 projections: dequantize + cuBLAS, W8A8 Triton, torch scaled_mm
     int4                the int4 (W4A16) GEMV and grouped decode experts against their bf16 and FP8 twins
     decode_blocks       one hyper-connection mix and one MoE block as a decode step runs them
     moe_decode          the routed experts at decode rows against the per-row reference

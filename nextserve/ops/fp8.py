@@ -97,6 +97,37 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q[..., :n, :k].contiguous(), scale
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, K] float8_e4m3fn, scale [T, ceil(K/128)] float32) of activations x [T, K]: per token and group
+    of 128 columns, scale = amax / 448 (1 for an all-zero group) and q = x / scale rounded to E4M3 (ties to
+    even), as vLLM's and DeepGEMM's per-token-group quantization for block-FP8 W8A8."""
+    t, k = x.shape
+    groups = -(-k // BLOCK)
+    padded = torch.zeros((t, groups * BLOCK), dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    g = padded.view(t, groups, BLOCK)
+    amax = g.abs().amax(dim=-1)  # [T, G]
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(t, -1)
+    return q[:, :k].contiguous(), scale
+
+
+def w8a8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x [T, K] @ weight^T -> [T, N] as W8A8: x quantized per token and 128 columns (`quantize_activations`),
+    each 128-wide K block's float32 product of codes scaled by its activation and weight scales and added in
+    ascending block order, rounded once to x's dtype. The reference of ops/triton/fp8_gemm.py (prefill
+    chunks on FP8 tensor cores)."""
+    xq, xs = quantize_activations(x)
+    n, k = weight.q.shape
+    ws = weight.scale.repeat_interleave(BLOCK, dim=0)[:n]  # [N, G]
+    out = torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device)
+    for b in range(xs.shape[1]):
+        cols = slice(b * BLOCK, min(k, (b + 1) * BLOCK))
+        part = xq[:, cols].float() @ weight.q[:, cols].float().T  # [T, N], exact products
+        out += part * xs[:, b, None] * ws[None, :, b]
+    return out.to(x.dtype)
+
+
 def operand(w: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """A weight as a plain tensor of `dtype` (FP8 weights dequantized): the reference paths' input."""
     return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w

@@ -20,8 +20,9 @@ def linear(
     # GEMV its peeling from the input's address alignment. In row-invariant mode every row is its
     # own call of one shape on a freshly allocated (so equally aligned) copy, so a row's bits never
     # depend on the rows beside it (C1). Prefill chunks use one call, as the serial reference does
-    # (with FP8 weights, on the weights dequantized for the call: on CUDA in one Triton pass,
-    # ops/triton/fp8_dequant.py).
+    # (with FP8 weights on CUDA: as W8A8 on FP8 tensor cores, ops/triton/fp8_gemm.py, where the card has
+    # them; else on the weights dequantized for the call in one Triton pass, ops/triton/fp8_dequant.py;
+    # on the CPU, the dequantized weights).
     # int4 weights likewise: the GEMV reads their words in registers (ops/triton/int4_tiles.py), a prefill
     # chunk runs F.linear on the weight dequantized in one pass (ops/triton/int4_dequant.py), and the
     # reference paths run on the library's values of the weight (ops/int4.py dequantize).
@@ -31,6 +32,10 @@ def linear(
 
         return small_m_linear(x, weight)
     if isinstance(weight, Fp8Weight) and use_kernel(x):
+        from .triton.fp8_gemm import w8a8_applies, w8a8_linear
+
+        if w8a8_applies(x, weight):
+            return w8a8_linear(x, weight)
         from .triton.fp8_dequant import triton_dequantize
 
         weight = triton_dequantize(weight, x.dtype)

@@ -133,12 +133,15 @@ def test_fp8_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype)
 @pytest.mark.gpu
 @needs_cuda
 def test_linear_dequantizes_fp8_prefill_chunks_in_one_pass(monkeypatch):
-    """On a kernel device a prefill chunk's FP8 projection is F.linear on the weight dequantized by the
-    one-pass kernel (the torch dequantize, several passes over float32 copies, is not called)."""
+    """Without W8A8 (ops/triton/fp8_gemm.py PREFILL_W8A8 off, or a card without FP8 MMAs) a prefill chunk's
+    FP8 projection is F.linear on the weight dequantized by the one-pass kernel (the torch dequantize,
+    several passes over float32 copies, is not called)."""
     from nextserve.ops import fp8
     from nextserve.ops.linear import linear
+    from nextserve.ops.triton import fp8_gemm
     from nextserve.ops.triton.fp8_dequant import triton_dequantize
 
+    monkeypatch.setattr(fp8_gemm, "PREFILL_W8A8", False)
     w = _fp8(640, 2560, seed=11)
     x = torch.randn(700, 2560, device="cuda", dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x, triton_dequantize(w, torch.bfloat16))

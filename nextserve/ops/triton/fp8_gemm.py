@@ -1,0 +1,140 @@
+"""Prefill chunks' FP8 projections on FP8 tensor cores (W8A8), as block-FP8 releases are meant to run: the
+chunk's activations quantized per token and 128 columns (`_quantize_rows`), then one GEMM of E4M3 codes
+whose float32 partials are scaled per 128-wide K block by the activation and weight scales
+(`_w8a8_gemm`), the scheme of DeepSeek's and Qwen's FP8 releases (vLLM's and SGLang's block-FP8 path).
+References: ops/fp8.py `quantize_activations` (the same bits) and `w8a8_linear` (close: the MMA adds a
+block's 128 products in its own order).
+
+Decode-sized work keeps the row-invariant GEMV, which reads FP8 weights against 16-bit activations
+(ops/triton/gemv.py). This GEMM is row-invariant too (every tile size is fixed, a row's codes and scales
+are its own), but it is used for prefill chunks only: it quantizes the activations, which decode rows keep
+16-bit (docs: DESIGN, weights that do not fit).
+
+# NOTE: FP8 MMAs need sm_89 or newer (Ada, Hopper); older cards and float32 activations keep the
+# dequantize-then-GEMM path (ops/triton/fp8_dequant.py), as does everything while `PREFILL_W8A8` is off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8 import BLOCK, FP8_MAX, Fp8Weight
+
+PREFILL_W8A8 = True  # prefill chunks' FP8 projections as W8A8 where the card has FP8 MMAs
+QUANT_ROWS = 16  # rows of a quantization program
+BLOCK_M, BLOCK_N, GROUP_M = 128, 128, 8  # GEMM tiles (K tiles are the 128-wide scale blocks)
+
+
+@functools.cache
+def _fp8_mma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def w8a8_applies(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether a prefill chunk's projection x @ weight^T runs here (the module docstring's NOTE)."""
+    return (
+        PREFILL_W8A8
+        and x.dim() == 2
+        and weight.q.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and (not x.is_cuda or _fp8_mma(x.device))
+    )
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest E4M3 value, ties to even, still float32.
+    # NOTE: the rounding is done here, by adding and taking away a power of two that leaves the value's
+    # E4M3 step as float32's step, so the conversion after it is exact: the interpreter's own float32 to
+    # E4M3 conversion rounds some values near a power of two down a binade."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    step = tl.maximum((mag >> 23) - 3, 127 - 9)  # E4M3's step at |v|: 2^(e-3), subnormals 2^-9
+    big = ((step + 23) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^23 steps
+    r = (mag.to(tl.float32, bitcast=True) + big) - big  # |v| rounded
+    return (r.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)  # v's sign
+
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, ROWS: tl.constexpr,
+                   BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
+    """Program (row tile, group): q = x / s rounded to E4M3, s = amax / 448 per row of the 128 columns."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < T)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
+    s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+    v = tl.clamp(tl.math.div_rn(x, s[:, None]), -FP8_MAX, FP8_MAX)
+    q = _round_e4m3(v).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_s + tl.program_id(1), s, mask=rows < T)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.fp8.quantize_activations in one pass (the same bits)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t, k = x.shape
+    groups = triton.cdiv(k, BLOCK)
+    q = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((t, groups), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(t, QUANT_ROWS), groups)
+    _quantize_rows[grid](
+        x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), ROWS=QUANT_ROWS, BLOCK=BLOCK, FP8_MAX=FP8_MAX,
+        num_warps=4,
+    )  # fmt: skip
+    return q, s
+
+
+@triton.jit
+def _w8a8_gemm(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_xs, stride_wn, stride_ws,
+               stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr):  # fmt: skip
+    """y [M, N] = sum over K blocks of (codes dot) * x scale * w scale; program = one output tile, tiles in
+    groups of GROUP_M row tiles (a group's weight tiles stay in L2)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = xq_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = wq_ptr + rn[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+        sa = tl.load(xs_ptr + rm * stride_xs + kb, mask=m_ok, other=0.0)  # [BM]
+        sb = tl.load(ws_ptr + (rn // BLOCK_K) * stride_ws + kb, mask=n_ok, other=0.0)  # [BN]
+        acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], y, mask=y_mask)
+
+
+def w8a8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x [T, K] @ weight^T -> [T, N] in x's dtype (ops.fp8.w8a8_linear's scheme)."""
+    xq, xs = quantize_activations(x)
+    wq, ws = weight.q, weight.scale
+    wq = wq if wq.stride(-1) == 1 else wq.contiguous()
+    ws = ws if ws.stride(-1) == 1 else ws.contiguous()
+    (m, k), n = xq.shape, wq.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    _w8a8_gemm[grid](
+        xq, xs, wq, ws, y, m, n, k, xq.stride(0), xs.stride(0), wq.stride(0), ws.stride(0), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK, GROUP_M=GROUP_M, num_warps=8, num_stages=4,
+    )  # fmt: skip
+    return y
