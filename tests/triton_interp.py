@@ -26,10 +26,17 @@ def row_independent_dot(monkeypatch: pytest.MonkeyPatch) -> None:
     # of the float32-widened inputs, added over k in order). The MMA itself is checked on the GPU."""
     if not INTERPRET:
         return
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle, _convert_float
+
+    def values(t) -> np.ndarray:
+        """A dot operand as float32 (E4M3 codes are held as their bits: widened as the interpreter does)."""
+        if t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
+            return _convert_float(t.data, t.dtype, tl.float16, None).view(np.float16).astype(np.float32)
+        return t.data.astype(np.float32)
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        prod = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
+        prod = values(a)[:, :, None] * values(b)[None, :, :]
         acc = d.data.copy()
         for k in range(prod.shape[1]):
             acc += prod[:, k, :]

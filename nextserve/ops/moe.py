@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .cached_experts import CachedExperts
+from .fp8 import Fp8Weight, w8a8_linear
 from .linear import linear
 from .pointwise import rowwise
 from .triton import use_kernel
@@ -135,16 +136,21 @@ def _expert(gate_up, down, shared, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     return shared if shared is not None and e == gate_up.shape[0] else (gate_up[e], down[e])
 
 
-def _experts_by_expert(x, weights, ids, gate_up, down, shared=None) -> torch.Tensor:
+def _experts_by_expert(x, weights, ids, gate_up, down, shared=None, w8a8: bool = False) -> torch.Tensor:
     """Grouped experts, one expert at a time in ascending id (a host sync an expert): the CPU path, and
-    the reference of the CUDA grouped GEMM."""
+    the reference of the CUDA grouped GEMM. `w8a8`: FP8 experts' projections as ops/fp8.py `w8a8_linear`
+    wherever x is (what `linear` runs on a GPU with FP8 MMAs): the reference of the W8A8 prefill kernels."""
     out = torch.zeros_like(x)
+
+    def project(rows: torch.Tensor, w) -> torch.Tensor:
+        return w8a8_linear(rows, w) if w8a8 and isinstance(w, Fp8Weight) else linear(rows, w, False)
+
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
         gu, dn = _expert(gate_up, down, shared, e)
-        h = linear(x[tok], gu, False)
+        h = project(x[tok], gu)
         g, u = h.chunk(2, dim=-1)
-        y = linear(rowwise(F.silu, g, False) * u, dn, False)
+        y = project(rowwise(F.silu, g, False) * u, dn)
         out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
     return out
 

@@ -149,3 +149,43 @@ def test_linear_runs_16_bit_fp8_prefill_chunks_as_w8a8():
     x = torch.randn(700, 2560, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear(x, w, row_invariant=False), fp8_gemm.w8a8_linear(x, w))
     assert torch.equal(linear(x[:3], w, row_invariant=True), small_m_linear(x[:3], w))
+
+
+@small
+@pytest.mark.parametrize("where", HERE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_prefill_experts_are_close_to_the_reference(where, dtype):
+    """The grouped prefill experts on FP8 weights run W8A8 (x and the act rows quantized per row and 128
+    columns): close to the per-expert W8A8 reference (ops/moe.py `_experts_by_expert(w8a8=True)`) with the
+    shared expert and the wide blocks; on a GPU the chunks of `experts_of_chunks` (one grouped call) keep
+    the bits each has alone."""
+    from nextserve.ops.moe import _experts_by_expert, experts_of_chunks, route
+    from nextserve.ops.triton.moe_grouped import grouped_experts
+
+    E, H, I, k = (6, 256, 256, 2) if INTERPRET else (64, 2560, 640, 10)
+    gu, dn = _stack(E, 2 * I, H, seed=5), _stack(E, H, I, seed=6)
+    sgu, sdn = _fp8(2 * I, H, seed=7), _fp8(H, I, seed=8)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(24, H, generator=g) * 4).to(device=DEV, dtype=dtype)
+    logits = torch.randn(24, E + 1, generator=g).to(device=DEV, dtype=dtype)
+    w, ids = route(logits, k, True, shared=True)
+    want = _experts_by_expert(x, w, ids, gu, dn, (sgu, sdn), w8a8=True)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    for block_m in (None, 128):
+        got = grouped_experts(x, w, ids, gu, dn, block_m=block_m, shared=(sgu, sdn))
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) <= 8 * ulp
+    if INTERPRET:  # (experts_of_chunks runs one grouped call on CUDA only)
+        return
+    w2, ids2 = route(logits[:, :E], k, True)
+    alone = [grouped_experts(x[i : i + 8], w2[i : i + 8], ids2[i : i + 8], gu, dn) for i in (0, 8, 16)]
+    parts = [slice(i, i + 8) for i in (0, 8, 16)]
+    together = experts_of_chunks(
+        [x[s] for s in parts], [w2[s] for s in parts], [ids2[s] for s in parts], gu, dn
+    )
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+
+
+def _stack(e: int, n: int, k: int, seed: int) -> Fp8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize(torch.randn(e, n, k, generator=g) / k**0.5)
+    return Fp8Weight(q.to(DEV), s.to(DEV))

@@ -34,15 +34,17 @@ def _fp8_mma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def w8a8_applies(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """Whether a prefill chunk's projection x @ weight^T runs here (the module docstring's NOTE)."""
+def w8a8_rows(x: torch.Tensor) -> bool:
+    """Whether prefill rows x run FP8 weights as W8A8 (the module docstring's NOTE): the projections here,
+    the grouped prefill experts in ops/triton/moe_grouped.py."""
     return (
-        PREFILL_W8A8
-        and x.dim() == 2
-        and weight.q.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and (not x.is_cuda or _fp8_mma(x.device))
+        PREFILL_W8A8 and x.dtype in (torch.bfloat16, torch.float16) and (not x.is_cuda or _fp8_mma(x.device))
     )
+
+
+def w8a8_applies(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether a prefill chunk's projection x @ weight^T runs here."""
+    return w8a8_rows(x) and x.dim() == 2 and weight.q.dim() == 2
 
 
 @triton.jit

@@ -75,6 +75,7 @@ from ..fp8 import Fp8Weight
 from ..int4 import Int4Weight
 from ..moe import default_block_m
 from .common import pdl_args, pdl_start
+from .fp8_gemm import quantize_activations, w8a8_rows
 from .int4_tiles import check_block_k, int4_dot, int4_launch_args
 from .moe_decode import expert_shapes
 from .moe_plan import BLOCK_M, plan
@@ -117,6 +118,15 @@ def _fp8_tile(w, s_rows, k0, ty: tl.constexpr):
     roundings of ops/fp8.py dequantize."""
     s = tl.load(s_rows + k0 // 128)
     return (w.to(tl.float32) * s[None, :]).to(ty)
+
+
+@triton.jit
+def _w8a8_dot(acc, a, w, sa, s_rows, mask_n, k0):
+    """acc + (E4M3 codes a [BLOCK_M, BLOCK_K] · w [BLOCK_K, BLOCK_N]) in float32, times the rows' scales sa
+    [BLOCK_M] and the columns' scales of this K block (s_rows [BLOCK_N], as `_fp8_tile`): the scheme of
+    ops/triton/fp8_gemm.py (each K tile inside one 128-column scale block)."""
+    sw = tl.load(s_rows + k0 // 128, mask=mask_n, other=0.0)
+    return acc + tl.dot(a, w, out_dtype=tl.float32) * sa[:, None] * sw[None, :]
 
 
 @triton.jit
@@ -221,6 +231,7 @@ def _gate_up(
     W_INT4: tl.constexpr = False, guz_ptr=None, sguz_ptr=None, GROUP: tl.constexpr = 1,
     HAS_ZERO: tl.constexpr = False, INT4_SLABS: tl.constexpr = True,
     CACHED: tl.constexpr = False, slot_ptr=None, cgu_ptr=None, cgus_ptr=None, cguz_ptr=None,
+    A_FP8: tl.constexpr = False, xs_ptr=None, stride_xs=0,
 ):  # fmt: skip
     """act[p] = silu(gate_e · x[row]) * (up_e · x[row]) for the block's sorted pairs p (of expert e);
     program (block, I tile). x is [M, H] with rows H apart; expert E_SHARED's weights are at sgu_ptr
@@ -229,7 +240,9 @@ def _gate_up(
     int4 words [E, 2I, H / 8] with group scales [E, 2I, H / GROUP] at gus_ptr (zero points at guz_ptr; the
     shared expert's at sgus_ptr, sguz_ptr), a tile of BLOCK_K // 8 word rows at a time (int4_dot). CACHED:
     expert e's values, scales and zero points from cache slot slot[e] (at cgu_ptr, cgus_ptr, cguz_ptr, with
-    the routed experts' strides) when it has one (`_expert_bases`)."""
+    the routed experts' strides) when it has one (`_expert_bases`). A_FP8 (with W_FP8): x is E4M3 codes
+    with float32 scales [M, H / 128] at xs_ptr, each K tile's FP8 dot scaled by its rows' and columns'
+    scales (W8A8, `_w8a8_dot`)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -277,11 +290,16 @@ def _gate_up(
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
                 wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if W_FP8:
-                wg = _fp8_tile(wg, gs_rows, k0, ty)
-                wu = _fp8_tile(wu, us_rows, k0, ty)
-            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+            if A_FP8:
+                sa = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=mask_m, other=0.0)
+                acc_g = _w8a8_dot(acc_g, a, wg, sa, gs_rows, mask_n, k0)
+                acc_u = _w8a8_dot(acc_u, a, wu, sa, us_rows, mask_n, k0)
+            else:
+                if W_FP8:
+                    wg = _fp8_tile(wg, gs_rows, k0, ty)
+                    wu = _fp8_tile(wu, us_rows, k0, ty)
+                acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -307,11 +325,13 @@ def _down(
     W_INT4: tl.constexpr = False, dz_ptr=None, sdz_ptr=None, GROUP: tl.constexpr = 1,
     HAS_ZERO: tl.constexpr = False, INT4_SLABS: tl.constexpr = True,
     CACHED: tl.constexpr = False, slot_ptr=None, cdown_ptr=None, cds_ptr=None, cdz_ptr=None,
+    A_FP8: tl.constexpr = False, xs_ptr=None, stride_xs=0,
 ):  # fmt: skip
     """yw[pair] = w[pair] * (down_e · act[p]) for the block's sorted pairs p; program (block, H tile).
     W_FP8: FP8 weights with float32 scales [E, cdiv(H, 128), cdiv(I, 128)] at ds_ptr (as `_gate_up`).
     W_INT4: int4 words [E, H, I / 8], group scales [E, H, I / GROUP] at ds_ptr (as `_gate_up`). CACHED: as
-    `_gate_up`'s (cdown_ptr, cds_ptr, cdz_ptr)."""
+    `_gate_up`'s (cdown_ptr, cds_ptr, cdz_ptr). A_FP8: act is E4M3 codes with scales [n, I / 128] at xs_ptr
+    (as `_gate_up`'s x)."""
     pdl_start(PDL)
     pid_b, pid_n = _block_and_tile(N_FAST)
     e = tl.load(blk_e_ptr + pid_b)
@@ -352,9 +372,13 @@ def _down(
                 mask_k = (k0 + rk) < I
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 wd = tl.load(d_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if W_FP8:
-                wd = _fp8_tile(wd, ds_rows, k0, ty)
-            acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
+            if A_FP8:
+                sa = tl.load(xs_ptr + rows.to(tl.int64) * stride_xs + k0 // 128, mask=mask_m, other=0.0)
+                acc = _w8a8_dot(acc, a, wd, sa, ds_rows, mask_n, k0)
+            else:
+                if W_FP8:
+                    wd = _fp8_tile(wd, ds_rows, k0, ty)
+                acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             d_ptrs += BLOCK_K
     dt = yw_ptr.dtype.element_ty
@@ -581,7 +605,10 @@ def _grouped(
     else:
         gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
         down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
-    a_bytes = block_m * x.element_size()  # an A tile's bytes per K column
+    # NOTE: prefill (sort) runs FP8 experts as W8A8 where the card has FP8 MMAs (fp8_gemm.w8a8_rows): x,
+    # and the act rows before `_down`, quantized per row and 128 columns; decode rows stay 16-bit
+    a_fp8 = sort and gu_fp8.get("W_FP8", False) and w8a8_rows(x)
+    a_bytes = block_m * (1 if a_fp8 else x.element_size())  # an A tile's bytes per K column
     gu_stage = int(block_k * (a_bytes + 2 * block_n * w_bytes))
     down_stage = int(block_k_down * (a_bytes + block_n_down * w_bytes))
     stages = _fit(stages, gu_stage, triton.cdiv(H, block_k))
@@ -604,19 +631,26 @@ def _grouped(
     nb = blk.shape[1]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty((n, I), dtype=x.dtype, device=x.device)
+    x_rows = x
+    if a_fp8:
+        x_rows, xs = quantize_activations(x)
+        gu_fp8 |= {"A_FP8": True, "xs_ptr": xs, "stride_xs": xs.stride(0)}
     n_fast = n_fast and nb <= _GRID_Y_MAX
 
     def grid(tiles: int) -> tuple[int, int]:
         return (tiles, nb) if n_fast else (nb, tiles)
 
     _gate_up[grid(triton.cdiv(I, block_n))](
-        x, order, blk[0], blk[1], blk[2], gate_up, sgu, act, H, I, e_shared, gate_up.stride(0),
+        x_rows, order, blk[0], blk[1], blk[2], gate_up, sgu, act, H, I, e_shared, gate_up.stride(0),
         gate_up.stride(1),
         K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages, N_FAST=n_fast, **pdl_args(x), **gu_fp8, **gu_cache,
     )  # fmt: skip
     yw = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    if a_fp8:
+        act, acts = quantize_activations(act)
+        down_fp8 |= {"A_FP8": True, "xs_ptr": acts, "stride_xs": acts.stride(0)}
     _down[grid(triton.cdiv(H, block_n_down))](
         act, order, weights, blk[0], blk[1], blk[2], down, sdown, yw, H, I, e_shared, down.stride(0),
         down.stride(1),
