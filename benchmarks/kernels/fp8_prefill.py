@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from kernels.small_m_gemm import Timer
 from nextserve.bench import git_info, hardware
 from nextserve.ops.fp8 import BLOCK, Fp8Weight, quantize
+from nextserve.ops.triton import fp8_gemm
 from nextserve.ops.triton.fp8_dequant import triton_dequantize
 from nextserve.ops.triton.fp8_gemm import quantize_activations, w8a8_linear
 
@@ -32,23 +33,6 @@ SHAPES = [  # (what, N, K)
     ("shared expert gate|up", 1280, 2560),
     ("HC / head-sized", 10240, 2560),
 ]
-
-
-def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, w_scale_t: torch.Tensor) -> torch.Tensor:
-    """torch's block-scaled FP8 GEMM: x quantized per token and 128 columns (scales column-major, as cuBLAS
-    takes them), the weight's 128 x 128 scales transposed with K blocks padded to a multiple of 4."""
-    xq, xs = quantize_activations(x)
-    return F.scaled_mm(
-        xq, w.q.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, w_scale_t,
-        F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
-    )  # fmt: skip
-
-
-def _padded_scale_t(w: Fp8Weight) -> torch.Tensor:
-    nb, kb = w.scale.shape
-    padded = torch.zeros((nb, -(-kb // 4) * 4), dtype=torch.float32, device=w.scale.device)
-    padded[:, :kb] = w.scale
-    return padded.t()  # [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4))
 
 
 def main() -> None:
@@ -64,7 +48,6 @@ def main() -> None:
         q, s = quantize(torch.randn(N, K, device=dev) / K**0.5)
         w = Fp8Weight(q, s)
         w16 = triton_dequantize(w, torch.bfloat16)
-        w_scale_t = _padded_scale_t(w)
         for T in args.tokens:
             x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
             ref = x.double() @ w.dequantize(torch.float64).T
@@ -72,7 +55,7 @@ def main() -> None:
                 "bf16_cublas": lambda x=x, w16=w16: F.linear(x, w16),
                 "fp8_dequant_cublas": lambda x=x, w=w: F.linear(x, triton_dequantize(w, x.dtype)),
                 "w8a8_triton": lambda x=x, w=w: w8a8_linear(x, w),
-                "w8a8_scaled_mm": lambda x=x, w=w, st=w_scale_t: scaled_mm_linear(x, w, st),
+                "w8a8_scaled_mm": lambda x=x, w=w: fp8_gemm._cublas_linear(x, w),
                 "quantize_activations": lambda x=x: quantize_activations(x),
             }
             row = {"shape": what, "N": N, "K": K, "T": T}

@@ -189,3 +189,31 @@ def _stack(e: int, n: int, k: int, seed: int) -> Fp8Weight:
     g = torch.Generator().manual_seed(seed)
     q, s = quantize(torch.randn(e, n, k, generator=g) / k**0.5)
     return Fp8Weight(q.to(DEV), s.to(DEV))
+
+
+@small
+@pytest.mark.parametrize("where", HERE)
+def test_scales_by_column_are_the_same_scales(where):
+    from nextserve.ops.triton.fp8_gemm import quantize_activations as kernel
+
+    x = _x(37, 300, torch.bfloat16, seed=8)
+    q, s = kernel(x, scales_by_column=True)
+    want_q, want_s = quantize_activations(x)
+    assert s.stride() == (1, 37) and torch.equal(s, want_s) and torch.equal(_codes(q), _codes(want_q))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cublas_block_scaled_gemm_is_close_to_the_reference(monkeypatch):
+    """W8A8_GEMM = "cublas" (torch's scaled_mm with 1x128 x 128x128 scales) where this torch and card have
+    it: close to the reference as the Triton GEMM is."""
+    from nextserve.ops.triton import fp8_gemm
+
+    if not fp8_gemm._cublas_block_fp8(torch.device("cuda")):
+        pytest.skip("no block-scaled scaled_mm on this card or torch build")
+    monkeypatch.setattr(fp8_gemm, "W8A8_GEMM", "cublas")
+    for T, N, K in [(700, 640, 2560), (4096, 2560, 6144), (33, 384, 640)]:
+        x, w = _x(T, K, torch.bfloat16, seed=T), _fp8(N, K, seed=N)
+        got, want = fp8_gemm.w8a8_linear(x, w), w8a8_linear(x, w)
+        scale = want.float().abs().amax(dim=1, keepdim=True) + 1e-30
+        assert ((got.float() - want.float()).abs() / scale).max() <= 2**-6

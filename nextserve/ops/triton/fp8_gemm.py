@@ -25,6 +25,9 @@ import triton.language as tl
 from ..fp8 import BLOCK, FP8_MAX, Fp8Weight
 
 PREFILL_W8A8 = True  # prefill chunks' FP8 projections as W8A8 where the card has FP8 MMAs
+# NOTE: the projections' GEMM: "triton" (`_w8a8_gemm`), or "cublas": torch's block-scaled scaled_mm
+# (cuBLASLt 1x128 x 128x128 scaling: sm_90 with cuBLAS 12.9 or newer; elsewhere Triton's)
+W8A8_GEMM = "triton"
 QUANT_ROWS = 16  # rows of a quantization program
 BLOCK_M, BLOCK_N, GROUP_M = 128, 128, 8  # GEMM tiles (K tiles are the 128-wide scale blocks)
 
@@ -62,7 +65,7 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _quantize_rows(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, ROWS: tl.constexpr,
+def _quantize_rows(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, ROWS: tl.constexpr,
                    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
     """Program (row tile, group): q = x / s rounded to E4M3, s = amax / 448 per row of the 128 columns."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -75,22 +78,57 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, ROWS
     v = tl.clamp(tl.math.div_rn(x, s[:, None]), -FP8_MAX, FP8_MAX)
     q = _round_e4m3(v).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * stride_s + tl.program_id(1), s, mask=rows < T)
+    tl.store(s_ptr + rows * stride_s + tl.program_id(1) * stride_sg, s, mask=rows < T)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.fp8.quantize_activations in one pass (the same bits)."""
+def quantize_activations(
+    x: torch.Tensor, scales_by_column: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.fp8.quantize_activations in one pass (the same bits); `scales_by_column`: the scales [T, G] laid
+    out column by column (strides (1, T)), as cuBLAS's 1x128 scaling reads them."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     t, k = x.shape
     groups = triton.cdiv(k, BLOCK)
     q = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((t, groups), dtype=torch.float32, device=x.device)
+    if scales_by_column:
+        s = torch.empty((groups, t), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((t, groups), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(t, QUANT_ROWS), groups)
     _quantize_rows[grid](
-        x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), ROWS=QUANT_ROWS, BLOCK=BLOCK, FP8_MAX=FP8_MAX,
-        num_warps=4,
+        x, q, s, t, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), ROWS=QUANT_ROWS, BLOCK=BLOCK,
+        FP8_MAX=FP8_MAX, num_warps=4,
     )  # fmt: skip
     return q, s
+
+
+@functools.cache
+def _cublas_block_fp8(device: torch.device) -> bool:
+    """Whether torch's scaled_mm takes 1x128 x 128x128 scales on this device (sm_90, cuBLAS >= 12.9)."""
+    if torch.cuda.get_device_capability(device) != (9, 0) or not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    x = torch.ones((128, 256), dtype=torch.bfloat16, device=device)
+    w = Fp8Weight(
+        torch.ones((128, 256), device=device).to(torch.float8_e4m3fn), torch.ones((1, 2), device=device)
+    )
+    try:
+        return bool((_cublas_linear(x, w) == 256).all())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _cublas_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x @ weight^T through torch's block-scaled scaled_mm: the weight's scales transposed, their K blocks
+    padded to a multiple of 4 (cuBLAS's layout)."""
+    F = torch.nn.functional
+    xq, xs = quantize_activations(x, scales_by_column=True)
+    nb, kb = weight.scale.shape
+    ws = torch.zeros((nb, -(-kb // 4) * 4), dtype=torch.float32, device=x.device)
+    ws[:, :kb] = weight.scale
+    return F.scaled_mm(
+        xq, weight.q.t(), xs, F.ScalingType.BlockWise1x128, ws.t(), F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -127,7 +165,9 @@ def _w8a8_gemm(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride
 
 
 def w8a8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """x [T, K] @ weight^T -> [T, N] in x's dtype (ops.fp8.w8a8_linear's scheme)."""
+    """x [T, K] @ weight^T -> [T, N] in x's dtype (ops.fp8.w8a8_linear's scheme), through `W8A8_GEMM`."""
+    if W8A8_GEMM == "cublas" and x.is_cuda and _cublas_block_fp8(x.device):
+        return _cublas_linear(x, weight)
     xq, xs = quantize_activations(x)
     wq, ws = weight.q, weight.scale
     wq = wq if wq.stride(-1) == 1 else wq.contiguous()
