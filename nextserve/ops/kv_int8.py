@@ -20,7 +20,10 @@ KV_DTYPES = ("auto", "bf16", "int8")  # --kv-dtype: auto and bf16 keep the model
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (int8 values [..., D], float32 scales [...])."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / QMAX
+    amax = xf.abs().amax(dim=-1)
+    # NOTE: a tensor divisor, never the scalar 127: CUDA divides by a scalar as a product with its
+    # reciprocal, which the paged-write kernel (ops/triton/paged.py, an IEEE division) would not match
+    scale = amax / torch.full_like(amax, QMAX)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
     q = torch.round(xf / divisor).clamp(-QMAX, QMAX).to(torch.int8)
     return q, scale
@@ -36,7 +39,7 @@ class Int8Plane:
     [pages, P, ...] float32, views of the pool's. Indexing gathers and dequantizes to `dtype`; item
     assignment and `index_put_` quantize what is stored. The ops take it where they take a plane: their
     PyTorch paths through this indexing, the QSA kernels reading values and scales (ops/triton/kv_int8.py);
-    writes always quantize here (the paged-write kernel takes 16-bit planes only)."""
+    decode rows' writes on CUDA quantize in the paged-write kernel (ops/triton/paged.py), with these bits."""
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         assert values.dtype == torch.int8 and scale.shape == values.shape[:-1], (values.dtype, scale.shape)

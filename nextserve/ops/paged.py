@@ -1,12 +1,13 @@
 """Writes of one row per decode row into a paged plane (the KV pages, the indexer's block keys).
 
-# On CUDA one Triton launch per call (ops/triton/paged.py) that computes each row's address itself; the
-# torch code below (about seven launches: the address's division, gather and remainder, then an
-# index_put per plane) is its reference and the CPU path.
+# On CUDA one Triton launch per call (ops/triton/paged.py) that computes each row's address itself (a launch
+# a plane for 8-bit planes, quantizing there); the torch code below (about seven launches: the address's
+# division, gather and remainder, then an index_put per plane) is its reference and the CPU path.
 """
 
 import torch
 
+from .kv_int8 import Int8Plane
 from .triton import use_kernel
 
 
@@ -27,6 +28,11 @@ def write_paged_rows(
         from .triton.paged import triton_write_paged_rows
 
         return triton_write_paged_rows(planes, values, block_table, positions, per_page, unit)
+    if use_kernel(*values) and all(isinstance(p, Int8Plane) for p in planes):
+        from .triton.paged import int8_writable, triton_write_paged_int8
+
+        if int8_writable(planes, values):
+            return triton_write_paged_int8(planes, values, block_table, positions, per_page, unit)
     entry = torch.div(positions, unit, rounding_mode="floor")
     col = torch.div(entry, per_page, rounding_mode="floor")[:, None]
     page = block_table.gather(1, col)[:, 0].long()

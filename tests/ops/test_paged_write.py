@@ -76,3 +76,51 @@ def test_cuda_matches_reference(dtype) -> None:
     """The real widths: K/V entries of 2 x 256, block keys of 128, on the GPU."""
     _check(2, (2, 256), 1, dtype, "cuda")
     _check(1, (128,), 4, dtype, "cuda", seed=3)
+
+
+def _int8_case(entry: tuple[int, ...], unit: int, device, seed: int = 0):
+    """8-bit planes (values and scales, as the pool lays them out) and 16-bit rows to write."""
+    from nextserve.ops.kv_int8 import Int8Plane
+
+    B, pages, per_page = 7, 43, 4
+    f16, values, table, positions = _case(B, pages, per_page, entry, unit, torch.bfloat16, seed, device)
+    values = tuple(v * torch.logspace(-4, 3, B, device=device)[:, *[None] * len(entry)] for v in values)
+    values = tuple(v.to(torch.bfloat16) for v in values)
+    planes = tuple(
+        Int8Plane(
+            torch.zeros(p.shape, dtype=torch.int8, device=device),
+            torch.zeros(p.shape[:-1], device=device),
+            p.dtype,
+        )
+        for p in f16
+    )
+    return planes, values, table, positions, per_page
+
+
+@small
+@pytest.mark.parametrize("entry,unit", [((2, 16), 1), ((4, 256), 1), ((64,), 8)])
+def test_int8_planes_match_reference(entry, unit) -> None:
+    """The kernel's quantized writes (values and scales) equal ops/kv_int8.quantize_rows's through the torch
+    path, rows of five decades of magnitude and zero rows included."""
+    from nextserve.ops.triton.paged import triton_write_paged_int8
+
+    planes, values, table, positions, per_page = _int8_case(entry, unit, DEV)
+    values[0][2] = 0  # an all-zero row: scale 0, codes 0
+    want, _, _, _, _ = _int8_case(entry, unit, "cpu")
+    paged.write_paged_rows(want, tuple(v.cpu() for v in values), table.cpu(), positions.cpu(), per_page, unit)
+    triton_write_paged_int8(planes, values, table, positions, per_page, unit)
+    for got, ref in zip(planes, want, strict=True):
+        assert torch.equal(got.values[:-1].cpu(), ref.values[:-1])
+        assert torch.equal(got.scale[:-1].cpu(), ref.scale[:-1])
+    assert planes[0].scale.count_nonzero() > 0
+
+
+@gpu
+@needs_cuda
+def test_write_paged_rows_sends_int8_planes_to_the_kernel(monkeypatch) -> None:
+    from nextserve.ops import kv_int8
+
+    planes, values, table, positions, per_page = _int8_case((2, 16), 1, "cuda")
+    monkeypatch.setattr(kv_int8, "quantize_rows", lambda *a: pytest.fail("the torch quantization ran"))
+    paged.write_paged_rows(planes, values, table, positions, per_page)
+    assert planes[0].values.count_nonzero() > 0

@@ -1,6 +1,7 @@
 """One row per decode row written into paged planes (the K and V pages, the indexer's block keys), for
-CUDA: the address (page from the row's block table, offset in it) and the copies in one launch.
-Reference: `write_paged_rows` in nextserve/ops/paged.py.
+CUDA: the address (page from the row's block table, offset in it) and the copies in one launch; 8-bit
+planes (ops/kv_int8.py Int8Plane) quantize each vector in the same launch, a launch a plane.
+Reference: `write_paged_rows` in nextserve/ops/paged.py (its int8 planes: ops/kv_int8.py quantize_rows).
 
 # NOTE: program (row, column block) copies its row's values only, to its own address: a row's writes
 # never depend on the rows beside it (C1); no host reads, so a step with it is graph-capturable.
@@ -12,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_int8 import QMAX, Int8Plane
 from .common import pdl_args, pdl_start, unit_stride
 
 MAX_BLOCK = 1024
@@ -57,3 +59,59 @@ def triton_write_paged_rows(
         block_table, positions, a, va, b, vb, block_table.stride(0), va.stride(0), vb.stride(0), row, unit,
         per_page, TWO=two, BLOCK=block, **pdl_args(a),
     )  # fmt: skip
+
+
+@triton.jit
+def _write_rows_int8(
+    table_ptr, pos_ptr, q_ptr, s_ptr, v_ptr, stride_table, stride_v, VECS, D, UNIT, PER_PAGE,
+    QMAX: tl.constexpr, VP: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program = one row: its VECS vectors of D values quantized (scale = max|x| / QMAX, q = x / scale
+    rounded half to even) and stored at the row's address, values and scales."""
+    pdl_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    vec, col = tl.arange(0, VP), tl.arange(0, DP)
+    mask = (vec < VECS)[:, None] & (col < D)[None, :]
+    entry = tl.load(pos_ptr + r) // UNIT
+    page = tl.load(table_ptr + r * stride_table + entry // PER_PAGE).to(tl.int64)
+    slot = page * PER_PAGE + entry % PER_PAGE
+    x = tl.load(v_ptr + r * stride_v + vec[:, None] * D + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [VP]
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    divisor = tl.where(scale > 0, scale, 1.0)
+    v = tl.math.div_rn(x, divisor[:, None])
+    v = (v + 12582912.0) - 12582912.0  # (1.5 * 2^23: |v| <= 127 rounded to an integer, half to even)
+    q = tl.clamp(v, -QMAX, QMAX).to(tl.int8)
+    tl.store(q_ptr + slot * VECS * D + vec[:, None] * D + col[None, :], q, mask=mask)
+    tl.store(s_ptr + slot * VECS + vec, scale, mask=vec < VECS)
+
+
+def int8_writable(planes: tuple, values: tuple[torch.Tensor, ...]) -> bool:
+    """Whether `triton_write_paged_int8` takes these planes: Int8Planes with contiguous values and scales."""
+    return all(
+        isinstance(p, Int8Plane) and p.values.is_contiguous() and p.scale.is_contiguous() for p in planes
+    ) and all(v.is_cuda for v in values)
+
+
+def triton_write_paged_int8(
+    planes: tuple[Int8Plane, ...],
+    values: tuple[torch.Tensor, ...],
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    per_page: int,
+    unit: int = 1,
+) -> None:
+    """ops/paged.write_paged_rows for 8-bit planes (Int8Plane): each entry's vectors (its last dimension)
+    quantized as ops/kv_int8.quantize_rows does, bit for bit."""
+    B = positions.shape[0]
+    if B == 0:
+        return
+    for plane, value in zip(planes, values, strict=True):
+        D = plane.values.shape[-1]
+        vecs = plane.values[0, 0].numel() // D
+        v = unit_stride(value.reshape(B, vecs * D))
+        _write_rows_int8[(B,)](
+            block_table, positions, plane.values, plane.scale, v, block_table.stride(0), v.stride(0), vecs, D,
+            unit, per_page, QMAX=QMAX, VP=triton.next_power_of_2(vecs), DP=triton.next_power_of_2(D),
+            **pdl_args(v),
+        )  # fmt: skip
