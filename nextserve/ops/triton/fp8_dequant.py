@@ -1,8 +1,9 @@
-"""FP8 weights dequantized in one pass (1 byte read and 2 written per value) for prefill chunks' projections:
-a prefill chunk is compute-bound, and cuBLAS's bf16 tensor-core GEMM after this pass beats a Triton GEMM that
-dequantizes each weight tile in registers (H200, 128 to 8,192 rows, the Flash-Next projection shapes: the
-fused kernel of 5ad14e5 ran at 0.45-0.9x this path's speed from 512 rows on, and won, by up to 1.4x, only
-at 128-256 rows of the wide in-projections, tens of microseconds a call; H200).
+"""FP8 weights dequantized in one pass (1 byte read and 2 written per value) for prefill chunks' projections
+where they do not run as W8A8 (ops/triton/fp8_gemm.py: float32 activations, cards without FP8 MMAs, or
+PREFILL_W8A8 off): a prefill chunk is compute-bound, and cuBLAS's bf16 tensor-core GEMM after this pass
+beats a Triton GEMM that dequantizes each weight tile in registers (H200, 128 to 8,192 rows, the Flash-Next
+projection shapes: the fused kernel of 5ad14e5 ran at 0.45-0.9x this path's speed from 512 rows on, and
+won, by up to 1.4x, only at 128-256 rows of the wide in-projections, tens of microseconds a call; H200).
 Decode rows keep the small-M GEMV, which reads FP8 in registers (ops/triton/gemv.py): there the bytes are
 the cost.
 
