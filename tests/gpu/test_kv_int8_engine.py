@@ -1,5 +1,6 @@
 """The 8-bit KV cache end to end on a GPU (`--kv-dtype int8`): the QSA kernels read int8 values and scales
-(ops/triton/kv_int8.py), writes quantize in PyTorch, inside the decode CUDA graphs too. With int8 KV the
+(ops/triton/kv_int8.py), prompt chunks' writes quantize in PyTorch and decode rows' in the paged-write
+kernel (inside the decode CUDA graphs), with the same bits. With int8 KV the
 engine gives the same bits with CUDA graphs and eagerly, synchronous and async, batched and alone, with MTP
 and n-gram speculation (C1 among modes of one KV dtype), and stays close to 16-bit KV."""
 
