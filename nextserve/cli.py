@@ -45,9 +45,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "FP8 kernels; W4A16 ones stay int4); fp8: also quantize a plain checkpoint's projections and experts "
     "block-wise on load; int4: quantize them to 4 bits on load (round-to-nearest, symmetric, groups of 128); "
     "none: dequantize a quantized checkpoint to --dtype on load",
-    "kv_dtype": "the KV cache's form: auto or bf16 (the model dtype), int8 (a byte a value and a float32 "
-    "scale per token and head, and per indexer block: half the KV memory of bf16; outputs are exact among "
-    "modes of one KV dtype, not equal to 16-bit KV's); fp8 is not built",
+    "kv_dtype": "the KV cache's form: auto or bf16 (the model dtype), int8 or fp8 (a byte a value, an "
+    "integer or an E4M3 value, and a float32 scale per token and head, and per indexer block: half the KV "
+    "memory of bf16; outputs are exact among modes of one KV dtype, not equal to 16-bit KV's; fp8 needs a "
+    "GPU of sm_89 or newer, or the CPU)",
     "ple_table": "where the PLE n-gram table lives (51B parameters in the released model): device, host "
     "(pinned host memory, its rows read by a kernel over the bus, so decode steps stay CUDA graphs), or auto "
     "(host when the device has no room for it)",

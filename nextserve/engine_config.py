@@ -8,7 +8,7 @@ from importlib.resources import files
 import torch
 
 from .config import DTYPES, ConfigError
-from .ops.kv_int8 import KV_DTYPES
+from .ops.kv8 import KV_DTYPES
 
 # --prefill-batch-chunks auto in one process: chunks up to this many tokens a forward (vLLM's prefill step;
 # 4 chunks at the default 4,096: BENCHMARKS.md, Long prefill)
@@ -64,7 +64,7 @@ class EngineConfig:
     host_kv_mib: int = 4096  # host memory for the host image store and preempted sequences
     skip_tokenizer: bool = False  # token ids in and out, no text (a model directory without a tokenizer)
     quantization: str = "auto"  # auto: as the checkpoint is; fp8: quantize its projections on load; none
-    kv_dtype: str = "auto"  # the KV pool's planes: auto / bf16 (the model dtype), int8 (ops/kv_int8.py)
+    kv_dtype: str = "auto"  # the KV pool's planes: auto / bf16 (the model dtype), int8 or fp8 (ops/kv8.py)
     ple_table: str = "auto"  # where the n-gram table lives: device, host (pinned), auto (host if no room)
     experts: str = "device"  # where the routed experts live: device, host (pinned), auto (host if no room)
     expert_cache_gib: float | str = "auto"  # device cache of host-held experts (runtime/expert_cache.py)
@@ -117,8 +117,6 @@ class EngineConfig:
         self._check_expert_cache()
         if self.quantization not in ("auto", "fp8", "int4", "none"):
             raise ConfigError(f"quantization must be auto, fp8, int4 or none, got {self.quantization!r}")
-        if self.kv_dtype == "fp8":
-            raise ConfigError("kv_dtype fp8 is not built: int8 is the 8-bit KV cache")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.speculative_method not in ("off", "ngram", "mtp"):

@@ -125,9 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the engine's --expert-cache-gib with --experts host: GiB, 0 or auto (default: auto)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-dtype", choices=["auto", "int8"], default="auto",
-        help="the engine's --kv-dtype: the model dtype, or int8 values with a float32 scale a vector "
-        "(default: auto)",
+        "--kv-dtype", choices=["auto", "int8", "fp8"], default="auto",
+        help="the engine's --kv-dtype: the model dtype, or 8-bit codes (int8, or fp8: E4M3) with a float32 "
+        "scale a vector (default: auto)",
     )  # fmt: skip
     p.add_argument(
         "--gpu-memory-gib", type=float, default=None,

@@ -6,16 +6,16 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..ops.kv_int8 import KV_DTYPES, Int8Plane
+from ..ops.kv8 import CODES, KV_DTYPES, Kv8Plane
 from .pinned_arena import PinnedArena
 
 
 def kv_bytes_per_token(cfg: ModelConfig, n_attn: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
     """Bytes a token takes in a pool of `n_attn` attention planes: K and V, and its share of the block key;
-    with int8 KV a byte a value and a float32 scale a vector (ops/kv_int8.py)."""
+    with 8-bit KV (int8, fp8) a byte a value and a float32 scale a vector (ops/kv8.py)."""
     c = cfg.indexer_compress_ratio
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim / c
-    if kv_dtype == "int8":
+    if kv_dtype in CODES:
         return int(n_attn * (per_layer + 4 * (2 * cfg.num_key_value_heads + 1 / c))) + 1
     elem = torch.empty((), dtype=dtype).element_size()
     return int(n_attn * per_layer * elem) + 1
@@ -38,8 +38,9 @@ class KVPool:
         kv_dtype: str = "auto",
     ) -> None:
         """Planes for attention indices first_attn .. first_attn + num_attn_layers - 1 (a pipeline
-        stage keeps only its own layers'; the MTP layer's index is n_qsa). kv_dtype int8: the planes
-        hold int8 values with a float32 scale plane each (ops/kv_int8.py), read back in `dtype`."""
+        stage keeps only its own layers'; the MTP layer's index is n_qsa). kv_dtype int8 or fp8: the
+        planes hold 8-bit codes (as int8 bytes) with a float32 scale plane each (ops/kv8.py), read back in
+        `dtype`."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         c = cfg.indexer_compress_ratio
@@ -52,14 +53,14 @@ class KVPool:
         # NOTE: one page more than the free list holds: the scratch page padded decode rows (graph
         # buckets) write to. No sequence ever owns it, so nothing reads what lands there.
         self.scratch_page = num_pages
-        self.dtype, self.quantized = dtype, kv_dtype == "int8"
+        self.dtype, self.quantized, self.kv_dtype = dtype, kv_dtype in CODES, kv_dtype
         store = torch.int8 if self.quantized else dtype
         shape = (num_attn_layers, num_pages + 1, page_size, cfg.num_key_value_heads, cfg.head_dim)
         key_shape = (num_attn_layers, num_pages + 1, self.blocks_per_page, cfg.indexer_head_dim)
         self.k = torch.zeros(shape, dtype=store, device=device)
         self.v = torch.zeros(shape, dtype=store, device=device)
         self.block_keys = torch.zeros(key_shape, dtype=store, device=device)
-        # [n_attn, pages + 1, ...] scales of the three planes (int8 KV), else none
+        # [n_attn, pages + 1, ...] scales of the three planes (8-bit KV), else none
         self.scales = [
             torch.zeros(t.shape[:-1], dtype=torch.float32, device=device)
             for t in ((self.k, self.v, self.block_keys) if self.quantized else ())
@@ -73,14 +74,17 @@ class KVPool:
 
     def planes(self, attn_index: int) -> tuple:
         """(K, V, compressed indexer keys) of one attention layer (model-wide index), every page: tensors,
-        or with int8 KV each an Int8Plane (values and scales, read in the model dtype)."""
+        or with 8-bit KV each a Kv8Plane (codes and scales, read in the model dtype)."""
         if attn_index not in self.attn:
             raise IndexError(f"attention index {attn_index} is not held here (this pool holds {self.attn})")
         i = attn_index - self.attn.start
         planes = (self.k[i], self.v[i], self.block_keys[i])
         if not self.quantized:
             return planes
-        return tuple(Int8Plane(t, s[i], self.dtype) for t, s in zip(planes, self.scales, strict=True))
+        codes = CODES[self.kv_dtype]
+        return tuple(
+            Kv8Plane(t.view(codes), s[i], self.dtype) for t, s in zip(planes, self.scales, strict=True)
+        )
 
     def page_planes(self) -> list[torch.Tensor]:
         """Every tensor indexed [n_attn, page, ...]: what a page copy or a host image of pages copies."""

@@ -55,7 +55,7 @@ class LLMEngine:
         if config.compile_cache_dir is not None:
             use_compile_cache(config.compile_cache_dir)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
-        check_kv_dtype(config, self.dtype)
+        check_kv_dtype(config, self.dtype, self.device)
         stages = config.pipeline_stages
         if model is None:
             self.model_config = cfg = ModelConfig.from_dir(config.model)

@@ -25,6 +25,7 @@ from ..model.loader import CheckpointReader, model_fp8_capable
 from ..model.params import QUANT_SUFFIXES
 from ..model.shapes import expected_shapes
 from ..ops.fp8 import scale_shape
+from ..ops.kv8 import CODES
 from ..runtime.device_memory import free_bytes
 
 GiB = 2**30
@@ -97,7 +98,7 @@ class MemoryPlan:
         if self.kv_tokens:
             kv = self.kv_tokens * self.kv_per_token
             fit = self.kv_tokens // SEQUENCE_TOKENS
-            form = " in int8 with scales" if self.kv_dtype == "int8" else ""
+            form = f" in {self.kv_dtype} with scales" if self.kv_dtype in CODES else ""
             lines.append(
                 f"  KV pool{form}: {self.kv_tokens:,} tokens x {self.kv_per_token:,} B = {gib(kv)} "
                 f"({fit} sequences of {SEQUENCE_TOKENS // 1024}K tokens)"

@@ -166,10 +166,22 @@ def check_pipeline(
     return stage_layers(L, c.pipeline_stages, counts), devices
 
 
-def check_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> None:
-    """--kv-dtype against the model dtype: bf16 only where it is bfloat16 (auto keeps any)."""
+def check_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """--kv-dtype against the model dtype and the GPUs: bf16 only where it is bfloat16 (auto keeps any); fp8
+    only on GPUs of sm_89 or newer (the kernels convert E4M3 codes in hardware), every stage's."""
     if config.kv_dtype == "bf16" and dtype != torch.bfloat16:
         raise ConfigError(f"kv_dtype bf16 keeps the model dtype, which is {dtype}: say auto")
+    if config.kv_dtype != "fp8" or device.type != "cuda":
+        return
+    indices = [device.index or 0]
+    if config.pipeline_devices is not None:
+        indices = [int(i) for i in str(config.pipeline_devices).split(",")]
+    for i in indices:
+        if torch.cuda.get_device_capability(i) < (8, 9):
+            raise ConfigError(
+                f"kv_dtype fp8 needs a GPU of sm_89 or newer (E4M3 conversions); cuda:{i} is "
+                f"sm_{''.join(map(str, torch.cuda.get_device_capability(i)))}: use --kv-dtype int8"
+            )
 
 
 def check_state_memory(

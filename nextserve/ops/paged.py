@@ -7,7 +7,7 @@
 
 import torch
 
-from .kv_int8 import Int8Plane
+from .kv8 import Kv8Plane
 from .triton import use_kernel
 
 
@@ -28,11 +28,11 @@ def write_paged_rows(
         from .triton.paged import triton_write_paged_rows
 
         return triton_write_paged_rows(planes, values, block_table, positions, per_page, unit)
-    if use_kernel(*values) and all(isinstance(p, Int8Plane) for p in planes):
-        from .triton.paged import int8_writable, triton_write_paged_int8
+    if use_kernel(*values) and all(isinstance(p, Kv8Plane) for p in planes):
+        from .triton.paged import kv8_writable, triton_write_paged_kv8
 
-        if int8_writable(planes, values):
-            return triton_write_paged_int8(planes, values, block_table, positions, per_page, unit)
+        if kv8_writable(planes, values):
+            return triton_write_paged_kv8(planes, values, block_table, positions, per_page, unit)
     entry = torch.div(positions, unit, rounding_mode="floor")
     col = torch.div(entry, per_page, rounding_mode="floor")[:, None]
     page = block_table.gather(1, col)[:, 0].long()

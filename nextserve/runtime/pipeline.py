@@ -118,7 +118,7 @@ class StageNeeds:
     held: dict[str, int] | None = None  # each tensor's bytes as loaded (memory_plan.held_tensor_bytes)
     experts_host: bool = False  # the routed experts in host memory: none of their bytes on the GPU
     expert_cache_gib: float = 0.0  # each stage's device cache of them
-    kv_dtype: str = "auto"  # the KV planes' form (ops/kv_int8.py)
+    kv_dtype: str = "auto"  # the KV planes' form (ops/kv8.py)
 
     def bytes_and_kv_per_token(self, layers: range) -> tuple[int, int]:
         """(bytes of the stage's weights and state slots, bytes per token of its KV planes). Weights count as

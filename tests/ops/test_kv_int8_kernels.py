@@ -1,5 +1,5 @@
-"""The QSA kernels on 8-bit KV planes (ops/triton/kv_int8.py): each kernel reading an Int8Plane gives, bit
-for bit, what it gives on the plane dequantized in PyTorch (ops/kv_int8.dequantize_rows): the decode
+"""The QSA kernels on 8-bit KV planes (ops/triton/kv8.py), int8 and fp8: each kernel reading a Kv8Plane
+gives, bit for bit, what it gives on the plane dequantized in PyTorch (ops/kv8.dequantize_rows): the decode
 indexer scores, the decode attention (split and direct), a prefill chunk's attention and its indexer scores.
 In Triton's interpreter on CPU tensors without a GPU, on CUDA with one."""
 
@@ -11,7 +11,7 @@ from test_qsa_decode import TINY, _tokens, make_paged
 from triton_interp import DEV, INTERPRET, small
 
 from nextserve.ops.attention import PREFILL_TILE
-from nextserve.ops.kv_int8 import Int8Plane, quantize_rows
+from nextserve.ops.kv8 import Kv8Plane, quantize_rows
 from nextserve.ops.triton.qsa_decode import triton_index_scores, triton_paged_sparse_attention
 from nextserve.ops.triton.qsa_prefill import triton_prefill_index_scores
 
@@ -19,22 +19,26 @@ DTYPES = [torch.float32] if INTERPRET else [torch.bfloat16, torch.float32]
 HERE = [pytest.param("here", marks=[] if INTERPRET else [pytest.mark.gpu])]
 
 
-def _int8(plane: torch.Tensor) -> tuple[Int8Plane, torch.Tensor]:
-    """An Int8Plane of `plane` and that Int8Plane read back whole (the dense plane the kernel must match)."""
-    q = Int8Plane(*quantize_rows(plane), plane.dtype)
+FORMS = ["int8", "fp8"]
+
+
+def _kv8(plane: torch.Tensor, form: str) -> tuple[Kv8Plane, torch.Tensor]:
+    """A Kv8Plane of `plane` and that Kv8Plane read back whole (the dense plane the kernel must match)."""
+    q = Kv8Plane(*quantize_rows(plane, form), plane.dtype)
     return q, q[torch.arange(plane.shape[0], device=plane.device)]
 
 
-def _paged(dtype: torch.dtype, seed: int):
+def _paged(dtype: torch.dtype, seed: int, form: str):
     p = make_paged([1, 5, 8, 17, 40, 77, 90], TINY, dtype=dtype, device=DEV, seed=seed)
-    return p, _int8(p.k_plane), _int8(p.v_plane), _int8(p.key_plane)
+    return p, _kv8(p.k_plane, form), _kv8(p.v_plane, form), _kv8(p.key_plane, form)
 
 
 @small
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_index_scores_read_int8_keys(where, dtype) -> None:
-    p, _, _, (keys8, keys) = _paged(dtype, 0)
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_index_scores_read_8_bit_keys(where, dtype, form) -> None:
+    p, _, _, (keys8, keys) = _paged(dtype, 0, form)
     args = (p.block_table, p.n_blocks, p.max_blocks)
     got = triton_index_scores(p.q_idx, keys8, *args)
     assert torch.equal(got, triton_index_scores(p.q_idx, keys, *args))
@@ -45,8 +49,9 @@ def test_decode_index_scores_read_int8_keys(where, dtype) -> None:
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tiling", [(16, 32), (16, 1), (PREFILL_TILE, 1)], ids=["split", "direct", "prefill"])
-def test_attention_reads_int8_k_and_v(where, dtype, tiling) -> None:
-    p, (k8, k), (v8, v), _ = _paged(dtype, 1)
+@pytest.mark.parametrize("form", FORMS)
+def test_attention_reads_8_bit_k_and_v(where, dtype, tiling, form) -> None:
+    p, (k8, k), (v8, v), _ = _paged(dtype, 1, form)
     tokens = _tokens(p, 4).to(DEV)
     scaling = TINY["d"] ** -0.5
     tile, splits = tiling
@@ -67,8 +72,9 @@ def test_attention_reads_int8_k_and_v(where, dtype, tiling) -> None:
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("start,T", [(0, 40), (24, 66)])
-def test_prefill_index_scores_read_int8_keys(where, dtype, start, T) -> None:
-    p, _, _, (keys8, keys) = _paged(dtype, 2)
+@pytest.mark.parametrize("form", FORMS)
+def test_prefill_index_scores_read_8_bit_keys(where, dtype, start, T, form) -> None:
+    p, _, _, (keys8, keys) = _paged(dtype, 2, form)
     g = torch.Generator().manual_seed(3)
     q_idx = torch.randn(T, TINY["ni"], TINY["di"], generator=g).to(device=DEV, dtype=dtype)
     table = p.block_table[-1]

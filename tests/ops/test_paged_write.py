@@ -78,17 +78,17 @@ def test_cuda_matches_reference(dtype) -> None:
     _check(1, (128,), 4, dtype, "cuda", seed=3)
 
 
-def _int8_case(entry: tuple[int, ...], unit: int, device, seed: int = 0):
+def _int8_case(entry: tuple[int, ...], unit: int, device, seed: int = 0, form: str = "int8"):
     """8-bit planes (values and scales, as the pool lays them out) and 16-bit rows to write."""
-    from nextserve.ops.kv_int8 import Int8Plane
+    from nextserve.ops.kv8 import CODES, Kv8Plane
 
     B, pages, per_page = 7, 43, 4
     f16, values, table, positions = _case(B, pages, per_page, entry, unit, torch.bfloat16, seed, device)
     values = tuple(v * torch.logspace(-4, 3, B, device=device)[:, *[None] * len(entry)] for v in values)
     values = tuple(v.to(torch.bfloat16) for v in values)
     planes = tuple(
-        Int8Plane(
-            torch.zeros(p.shape, dtype=torch.int8, device=device),
+        Kv8Plane(
+            torch.zeros(p.shape, dtype=torch.int8, device=device).view(CODES[form]),
             torch.zeros(p.shape[:-1], device=device),
             p.dtype,
         )
@@ -99,18 +99,19 @@ def _int8_case(entry: tuple[int, ...], unit: int, device, seed: int = 0):
 
 @small
 @pytest.mark.parametrize("entry,unit", [((2, 16), 1), ((4, 256), 1), ((64,), 8)])
-def test_int8_planes_match_reference(entry, unit) -> None:
-    """The kernel's quantized writes (values and scales) equal ops/kv_int8.quantize_rows's through the torch
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+def test_8_bit_planes_match_reference(entry, unit, form) -> None:
+    """The kernel's quantized writes (values and scales) equal ops/kv8.quantize_rows's through the torch
     path, rows of five decades of magnitude and zero rows included."""
-    from nextserve.ops.triton.paged import triton_write_paged_int8
+    from nextserve.ops.triton.paged import triton_write_paged_kv8
 
-    planes, values, table, positions, per_page = _int8_case(entry, unit, DEV)
+    planes, values, table, positions, per_page = _int8_case(entry, unit, DEV, form=form)
     values[0][2] = 0  # an all-zero row: scale 0, codes 0
-    want, _, _, _, _ = _int8_case(entry, unit, "cpu")
+    want, _, _, _, _ = _int8_case(entry, unit, "cpu", form=form)
     paged.write_paged_rows(want, tuple(v.cpu() for v in values), table.cpu(), positions.cpu(), per_page, unit)
-    triton_write_paged_int8(planes, values, table, positions, per_page, unit)
+    triton_write_paged_kv8(planes, values, table, positions, per_page, unit)
     for got, ref in zip(planes, want, strict=True):
-        assert torch.equal(got.values[:-1].cpu(), ref.values[:-1])
+        assert torch.equal(got.values[:-1].view(torch.int8).cpu(), ref.values[:-1].view(torch.int8))
         assert torch.equal(got.scale[:-1].cpu(), ref.scale[:-1])
     assert planes[0].scale.count_nonzero() > 0
 
@@ -118,9 +119,9 @@ def test_int8_planes_match_reference(entry, unit) -> None:
 @gpu
 @needs_cuda
 def test_write_paged_rows_sends_int8_planes_to_the_kernel(monkeypatch) -> None:
-    from nextserve.ops import kv_int8
+    from nextserve.ops import kv8
 
     planes, values, table, positions, per_page = _int8_case((2, 16), 1, "cuda")
-    monkeypatch.setattr(kv_int8, "quantize_rows", lambda *a: pytest.fail("the torch quantization ran"))
+    monkeypatch.setattr(kv8, "quantize_rows", lambda *a: pytest.fail("the torch quantization ran"))
     paged.write_paged_rows(planes, values, table, positions, per_page)
     assert planes[0].values.count_nonzero() > 0

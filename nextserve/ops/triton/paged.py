@@ -1,7 +1,7 @@
 """One row per decode row written into paged planes (the K and V pages, the indexer's block keys), for
 CUDA: the address (page from the row's block table, offset in it) and the copies in one launch; 8-bit
-planes (ops/kv_int8.py Int8Plane) quantize each vector in the same launch, a launch a plane.
-Reference: `write_paged_rows` in nextserve/ops/paged.py (its int8 planes: ops/kv_int8.py quantize_rows).
+planes (ops/kv8.py Kv8Plane) quantize each vector in the same launch, a launch a plane.
+Reference: `write_paged_rows` in nextserve/ops/paged.py (its int8 planes: ops/kv8.py quantize_rows).
 
 # NOTE: program (row, column block) copies its row's values only, to its own address: a row's writes
 # never depend on the rows beside it (C1); no host reads, so a step with it is graph-capturable.
@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_int8 import QMAX, Int8Plane
+from ..kv8 import QMAXES, Kv8Plane
 from .common import pdl_args, pdl_start, unit_stride
+from .fp8_gemm import _round_e4m3
 
 MAX_BLOCK = 1024
 
@@ -62,12 +63,13 @@ def triton_write_paged_rows(
 
 
 @triton.jit
-def _write_rows_int8(
+def _write_rows_kv8(
     table_ptr, pos_ptr, q_ptr, s_ptr, v_ptr, stride_table, stride_v, VECS, D, UNIT, PER_PAGE,
-    QMAX: tl.constexpr, VP: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr,
+    QMAX: tl.constexpr, FP8: tl.constexpr, VP: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program = one row: its VECS vectors of D values quantized (scale = max|x| / QMAX, q = x / scale
-    rounded half to even) and stored at the row's address, values and scales."""
+    rounded half to even: to an integer, or with FP8 to an E4M3 value) and stored at the row's address,
+    codes and scales."""
     pdl_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     vec, col = tl.arange(0, VP), tl.arange(0, DP)
@@ -79,30 +81,33 @@ def _write_rows_int8(
     amax = tl.max(tl.abs(x), axis=1)  # [VP]
     scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
     divisor = tl.where(scale > 0, scale, 1.0)
-    v = tl.math.div_rn(x, divisor[:, None])
-    v = (v + 12582912.0) - 12582912.0  # (1.5 * 2^23: |v| <= 127 rounded to an integer, half to even)
-    q = tl.clamp(v, -QMAX, QMAX).to(tl.int8)
+    v = tl.clamp(tl.math.div_rn(x, divisor[:, None]), -QMAX, QMAX)
+    if FP8:
+        v = _round_e4m3(v)
+    else:
+        v = (v + 12582912.0) - 12582912.0  # (1.5 * 2^23: |v| <= 127 rounded to an integer, half to even)
+    q = v.to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + slot * VECS * D + vec[:, None] * D + col[None, :], q, mask=mask)
     tl.store(s_ptr + slot * VECS + vec, scale, mask=vec < VECS)
 
 
-def int8_writable(planes: tuple, values: tuple[torch.Tensor, ...]) -> bool:
-    """Whether `triton_write_paged_int8` takes these planes: Int8Planes with contiguous values and scales."""
+def kv8_writable(planes: tuple, values: tuple[torch.Tensor, ...]) -> bool:
+    """Whether `triton_write_paged_kv8` takes these planes: Kv8Planes with contiguous values and scales."""
     return all(
-        isinstance(p, Int8Plane) and p.values.is_contiguous() and p.scale.is_contiguous() for p in planes
+        isinstance(p, Kv8Plane) and p.values.is_contiguous() and p.scale.is_contiguous() for p in planes
     ) and all(v.is_cuda for v in values)
 
 
-def triton_write_paged_int8(
-    planes: tuple[Int8Plane, ...],
+def triton_write_paged_kv8(
+    planes: tuple[Kv8Plane, ...],
     values: tuple[torch.Tensor, ...],
     block_table: torch.Tensor,
     positions: torch.Tensor,
     per_page: int,
     unit: int = 1,
 ) -> None:
-    """ops/paged.write_paged_rows for 8-bit planes (Int8Plane): each entry's vectors (its last dimension)
-    quantized as ops/kv_int8.quantize_rows does, bit for bit."""
+    """ops/paged.write_paged_rows for 8-bit planes (Kv8Plane, int8 or fp8): each entry's vectors (its last
+    dimension) quantized as ops/kv8.quantize_rows does, bit for bit."""
     B = positions.shape[0]
     if B == 0:
         return
@@ -110,8 +115,9 @@ def triton_write_paged_int8(
         D = plane.values.shape[-1]
         vecs = plane.values[0, 0].numel() // D
         v = unit_stride(value.reshape(B, vecs * D))
-        _write_rows_int8[(B,)](
+        _write_rows_kv8[(B,)](
             block_table, positions, plane.values, plane.scale, v, block_table.stride(0), v.stride(0), vecs, D,
-            unit, per_page, QMAX=QMAX, VP=triton.next_power_of_2(vecs), DP=triton.next_power_of_2(D),
+            unit, per_page, QMAX=QMAXES[plane.form], FP8=plane.form == "fp8", VP=triton.next_power_of_2(vecs),
+            DP=triton.next_power_of_2(D),
             **pdl_args(v),
         )  # fmt: skip

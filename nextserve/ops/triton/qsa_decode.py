@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import pdl_args, pdl_start
-from .kv_int8 import dequantize_rows, int8_args
+from .kv8 import dequantize_rows, kv8_args
 
 LOG2E = 1.4426950408889634
 
@@ -29,7 +29,7 @@ def _index_scores_kernel(
     q_ptr, key_ptr, ks_ptr, bt_ptr, nb_ptr, out_ptr, max_blocks, bpp, inv_scale,
     stride_qb, stride_qh, stride_kp, stride_ki, stride_ksp, stride_btb, stride_ob,
     NI: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_J: tl.constexpr,
-    KV_INT8: tl.constexpr = False, PDL: tl.constexpr = False,
+    KV8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_start(PDL)
     b = tl.program_id(0)
@@ -44,7 +44,7 @@ def _index_scores_kernel(
         mask=valid[:, None] & dm[None, :],
         other=0.0,
     )
-    if KV_INT8:
+    if KV8:
         ks = tl.load(ks_ptr + page * stride_ksp + j % bpp, mask=valid, other=0.0)
         keys = dequantize_rows(keys, ks, q_ptr.dtype.element_ty)
     keys = keys.to(tl.float32)
@@ -64,12 +64,12 @@ def triton_index_scores(
     max_blocks: int,
     block_j: int = 64,
 ) -> torch.Tensor:
-    """q_idx [B, Ni, di], key_plane [pages, bpp, di] (or an Int8Plane of it), block_table [B, maxP],
+    """q_idx [B, Ni, di], key_plane [pages, bpp, di] (or an Kv8Plane of it), block_table [B, maxP],
     n_blocks [B] -> [B, max_blocks] float32: sum_h relu(q_h . k_j) / sqrt(di) for j < n_blocks[b], -inf
     after. Grid (B, max_blocks / block_j); each program scores block_j blocks of one row in float32."""
     B, NI, DI = q_idx.shape
     q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
-    key_plane, key_scale, int8 = int8_args(key_plane)
+    key_plane, key_scale, kv8 = kv8_args(key_plane)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     n_blocks = n_blocks.contiguous()
     out = torch.empty((B, max_blocks), dtype=torch.float32, device=q_idx.device)
@@ -80,7 +80,7 @@ def triton_index_scores(
         q_idx, key_plane, key_scale, block_table, n_blocks, out, max_blocks, key_plane.shape[1],
         1.0 / math.sqrt(DI), q_idx.stride(0), q_idx.stride(1), key_plane.stride(0), key_plane.stride(1),
         key_scale.stride(0), block_table.stride(0), out.stride(0),
-        NI=NI, DI=DI, BLOCK_DI=triton.next_power_of_2(DI), BLOCK_J=block_j, KV_INT8=int8, **pdl_args(q_idx),
+        NI=NI, DI=DI, BLOCK_DI=triton.next_power_of_2(DI), BLOCK_J=block_j, KV8=kv8, **pdl_args(q_idx),
     )  # fmt: skip
     return out
 
@@ -94,7 +94,7 @@ def _paged_attn_split_kernel(
     stride_btb, stride_tb, stride_mob, stride_moh, stride_mos, stride_mb, stride_mh, stride_ob, stride_oh,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     TILE: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False,
-    KV_INT8: tl.constexpr = False, PDL: tl.constexpr = False,
+    KV8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): online softmax over the split's tiles of the row's token list,
     for the kv head's REP query heads at once. Writes the unnormalised output, max and sum (log2);
@@ -130,7 +130,7 @@ def _paged_attn_split_kernel(
                 mask=kv_m,
                 other=0.0,
             )
-            if KV_INT8:  # (the scale planes [pages, P, Nkv] share their strides)
+            if KV8:  # (the scale planes [pages, P, Nkv] share their strides)
                 scale_at = page * stride_sp + off * stride_so + g
                 k = dequantize_rows(k, tl.load(ks_ptr + scale_at, mask=valid, other=0.0), q.dtype)
             if IEEE:
@@ -147,7 +147,7 @@ def _paged_attn_split_kernel(
                 mask=kv_m,
                 other=0.0,
             )
-            if KV_INT8:
+            if KV8:
                 v = dequantize_rows(v, tl.load(vs_ptr + scale_at, mask=valid, other=0.0), q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -209,7 +209,7 @@ def triton_paged_sparse_attention(
     num_splits: int = 32,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """q [B, Nq, D]; k_plane, v_plane [pages, P, Nkv, D] (or Int8Planes of them: each tile dequantized to
+    """q [B, Nq, D]; k_plane, v_plane [pages, P, Nkv, D] (or Kv8Planes of them: each tile dequantized to
     q's dtype as it is loaded); block_table [B, maxP]; tokens [B, L] (-1 = none) -> [B, Nq, D] in
     q.dtype: each row's attention over its valid tokens (GQA).
 
@@ -224,8 +224,8 @@ def triton_paged_sparse_attention(
     L = tokens.shape[1]
     rep = Nq // Nkv
     q = q if q.stride(-1) == 1 else q.contiguous()
-    k_plane, k_scale, int8 = int8_args(k_plane)
-    v_plane, v_scale, _ = int8_args(v_plane)
+    k_plane, k_scale, kv8 = kv8_args(k_plane)
+    v_plane, v_scale, _ = kv8_args(v_plane)
     assert k_scale.stride() == v_scale.stride(), "the K and V scale planes share their strides"
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
@@ -249,7 +249,7 @@ def triton_paged_sparse_attention(
         block_table.stride(0), tokens.stride(0), mo.stride(0), mo.stride(1), mo.stride(2),
         mm.stride(0), mm.stride(1), out.stride(0), out.stride(1),
         REP=rep, BLOCK_H=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_D=BLOCK_D, TILE=tile,
-        IEEE=q.dtype == torch.float32, DIRECT=direct, KV_INT8=int8, num_warps=num_warps, **pdl_args(q),
+        IEEE=q.dtype == torch.float32, DIRECT=direct, KV8=kv8, num_warps=num_warps, **pdl_args(q),
     )  # fmt: skip
     if not direct:
         _paged_attn_combine_kernel[(B, Nq)](

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import unit_stride
-from .kv_int8 import dequantize_rows, int8_args
+from .kv8 import dequantize_rows, kv8_args
 
 BLOCK_T = 64  # rows of a tile
 BLOCK_J = 64  # blocks of a tile; the scores' width is a multiple of it
@@ -37,7 +37,7 @@ def _prefill_index_scores_kernel(
     q_ptr, key_ptr, ks_ptr, bt_ptr, out_ptr, T, n_cols, start, bpp, inv_scale,
     stride_qt, stride_qh, stride_kp, stride_ki, stride_ksp, stride_ot,
     NI: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, C: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, IEEE: tl.constexpr, KV_INT8: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, IEEE: tl.constexpr, KV8: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -56,7 +56,7 @@ def _prefill_index_scores_kernel(
             mask=jm[:, None] & dm[None, :],
             other=0.0,
         )
-        if KV_INT8:
+        if KV8:
             ks = tl.load(ks_ptr + page * stride_ksp + j % bpp, mask=jm, other=0.0)
             keys = dequantize_rows(keys, ks, q_ptr.dtype.element_ty)
         keys = keys.to(q_ptr.dtype.element_ty)  # [BLOCK_J, BLOCK_DI]
@@ -85,12 +85,12 @@ def prefill_score_width(start: int, T: int, c: int) -> int:
 def triton_prefill_index_scores(
     q_idx: torch.Tensor, key_plane: torch.Tensor, table_row: torch.Tensor, start: int, c: int
 ) -> torch.Tensor:
-    """q_idx [T, Ni, di] of positions start .. start+T-1; key_plane [pages, bpp, di] (or an Int8Plane of
+    """q_idx [T, Ni, di] of positions start .. start+T-1; key_plane [pages, bpp, di] (or an Kv8Plane of
     it); table_row [maxP]
     -> [T, prefill_score_width] float32: sum_h relu(q_h . k_j) / sqrt(di) for the row's complete blocks
     j < (position + 1) // c, -inf after. Grid (T / BLOCK_T, width / BLOCK_J)."""
     T, NI, DI = q_idx.shape
-    key_plane, key_scale, int8 = int8_args(key_plane)
+    key_plane, key_scale, kv8 = kv8_args(key_plane)
     q_idx = unit_stride(q_idx)
     width = prefill_score_width(start, T, c)
     out = torch.empty((T, width), dtype=torch.float32, device=q_idx.device)
@@ -102,6 +102,6 @@ def triton_prefill_index_scores(
         1.0 / math.sqrt(DI), q_idx.stride(0), q_idx.stride(1), key_plane.stride(0), key_plane.stride(1),
         key_scale.stride(0), out.stride(0),
         NI=NI, DI=DI, BLOCK_DI=max(16, triton.next_power_of_2(DI)), C=c, BLOCK_T=BLOCK_T, BLOCK_J=BLOCK_J,
-        IEEE=q_idx.dtype == torch.float32, KV_INT8=int8, num_warps=4,
+        IEEE=q_idx.dtype == torch.float32, KV8=kv8, num_warps=4,
     )  # fmt: skip
     return out
