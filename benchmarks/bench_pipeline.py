@@ -56,7 +56,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 2000, (32 + 8 * i,), generator=g).tolist() for i in range(a.requests)]
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
-    flags = dict(device=a.device, dtype=a.dtype, max_concurrency=a.requests)
+    # NOTE: a pool for these requests: auto gives each engine the memory left, and the engines here share
+    # one device (the one process first would leave the stages none)
+    longest = max(len(p) for p in prompts) + a.tokens
+    flags = dict(device=a.device, dtype=a.dtype, max_concurrency=a.requests,
+                 kv_capacity=a.requests * longest + 1024, max_context=longest + 64)  # fmt: skip
     engines = {"one process": LLM(a.model, **flags)}
     for transport in a.stage_transport:
         for groups in a.groups:

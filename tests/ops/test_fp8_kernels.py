@@ -123,11 +123,11 @@ def test_fp8_gemv_epilogues(where, dtype):
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_experts_are_the_16_bit_kernels_on_dequantized_weights(where, dtype, monkeypatch):
-    """The weights-only form (decode rows always; prefill with W8A8 off: tests/ops/test_fp8_w8a8.py has
-    the W8A8 prefill experts)."""
-    from nextserve.ops.triton import fp8_gemm
+    """The weights-only form (decode rows always; prefill with PREFILL_EXPERTS_W8A8 off, the default:
+    tests/ops/test_fp8_w8a8.py has the W8A8 prefill experts)."""
+    from nextserve.ops.triton import moe_grouped
 
-    monkeypatch.setattr(fp8_gemm, "PREFILL_W8A8", False)
+    monkeypatch.setattr(moe_grouped, "PREFILL_EXPERTS_W8A8", False)
     E, H, I, k = (6, 256, 128, 2) if INTERPRET else (64, 2560, 640, 10)
     experts = (_fp8(E, 2 * I, H, seed=5), _fp8(E, H, I, seed=6), _fp8(2 * I, H, seed=7), _fp8(H, I, seed=8))
     check_quantized_experts(

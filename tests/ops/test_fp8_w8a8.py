@@ -123,6 +123,8 @@ def test_w8a8_rows_are_invariant(where):
 def test_w8a8_applies_to_16_bit_prefill_chunks_only(monkeypatch):
     from nextserve.ops.triton import fp8_gemm
 
+    monkeypatch.setattr(fp8_gemm, "PREFILL_W8A8", True)
+
     w = _fp8(256, 256, seed=5)
     cpu_w = Fp8Weight(w.q.cpu(), w.scale.cpu())
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
@@ -136,12 +138,14 @@ def test_w8a8_applies_to_16_bit_prefill_chunks_only(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_linear_runs_16_bit_fp8_prefill_chunks_as_w8a8():
-    """On a card with FP8 MMAs, linear() sends a bf16 prefill chunk's FP8 projection to the W8A8 kernel and
-    decode rows (row_invariant) to the GEMV, whose 16-bit activations are not quantized."""
+def test_linear_runs_16_bit_fp8_prefill_chunks_as_w8a8(monkeypatch):
+    """On a card with FP8 MMAs and PREFILL_W8A8 on, linear() sends a bf16 prefill chunk's FP8 projection to
+    the W8A8 kernel and decode rows (row_invariant) to the GEMV, whose 16-bit activations stay 16-bit."""
     from nextserve.ops.linear import linear
     from nextserve.ops.triton import fp8_gemm
     from nextserve.ops.triton.gemv import small_m_linear
+
+    monkeypatch.setattr(fp8_gemm, "PREFILL_W8A8", True)
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 MMAs on this card")
@@ -154,13 +158,16 @@ def test_linear_runs_16_bit_fp8_prefill_chunks_as_w8a8():
 @small
 @pytest.mark.parametrize("where", HERE)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_w8a8_prefill_experts_are_close_to_the_reference(where, dtype):
-    """The grouped prefill experts on FP8 weights run W8A8 (x and the act rows quantized per row and 128
-    columns): close to the per-expert W8A8 reference (ops/moe.py `_experts_by_expert(w8a8=True)`) with the
-    shared expert and the wide blocks; on a GPU the chunks of `experts_of_chunks` (one grouped call) keep
-    the bits each has alone."""
+def test_w8a8_prefill_experts_are_close_to_the_reference(where, dtype, monkeypatch):
+    """With PREFILL_EXPERTS_W8A8 the grouped prefill experts on FP8 weights run W8A8 (x and the act rows
+    quantized per row and 128 columns): close to the per-expert W8A8 reference (ops/moe.py
+    `_experts_by_expert(w8a8=True)`) with the shared expert and the wide blocks; on a GPU the chunks of
+    `experts_of_chunks` (one grouped call) keep the bits each has alone."""
     from nextserve.ops.moe import _experts_by_expert, experts_of_chunks, route
+    from nextserve.ops.triton import moe_grouped
     from nextserve.ops.triton.moe_grouped import grouped_experts
+
+    monkeypatch.setattr(moe_grouped, "PREFILL_EXPERTS_W8A8", True)
 
     E, H, I, k = (6, 256, 256, 2) if INTERPRET else (64, 2560, 640, 10)
     gu, dn = _stack(E, 2 * I, H, seed=5), _stack(E, H, I, seed=6)

@@ -210,3 +210,18 @@ def test_float32_rows_in_k_order_fit_shared_memory() -> None:
     assert stage >= measured and (depth - 1) * measured < h100_limit, (stage, depth)
     assert _stage_bytes_a_weight(w, x16, int4_slabs=False) == 0.5
     assert _stage_bytes_a_weight(w, x16, int4_slabs=True) == 1.0
+
+
+def test_float32_prefill_rows_take_the_k_order_tile(monkeypatch) -> None:
+    """Bug: a wide prefill block of float32 rows with int4_slabs asked for the slabs' K tile of 128, though
+    float32 rows run the K-order form; at the fewest stages that tile needed 278,528 bytes of shared memory
+    (H100 limit 232,448). Its K tile is now the K-order form's 64; 16-bit rows with the slabs keep 128."""
+    from nextserve.ops.triton import moe_grouped
+
+    seen = []
+    monkeypatch.setattr(moe_grouped, "_grouped", lambda *a, **kw: seen.append((a[7], a[9])))
+    w = _int4(2, 64, 256, seed=1, group=128, dtype=torch.bfloat16)
+    ids, weights = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    for dtype, want in ((torch.float32, 64), (torch.bfloat16, 128)):
+        moe_grouped.grouped_experts(torch.zeros(3, 256, dtype=dtype), weights, ids, w, w, int4_slabs=True)
+        assert seen.pop() == (want, want), dtype

@@ -1,7 +1,7 @@
 """The QSA kernels on 8-bit KV planes (ops/triton/kv8.py), int8 and fp8: each kernel reading a Kv8Plane
 gives, bit for bit, what it gives on the plane dequantized in PyTorch (ops/kv8.dequantize_rows): the decode
-indexer scores, the decode attention (split and direct), a prefill chunk's attention and its indexer scores.
-In Triton's interpreter on CPU tensors without a GPU, on CUDA with one."""
+indexer scores (on a GPU: close, see its NOTE), the decode attention (split and direct), a prefill chunk's
+attention and its indexer scores. In Triton's interpreter on CPU tensors without a GPU, on CUDA with one."""
 
 from __future__ import annotations
 
@@ -41,7 +41,16 @@ def test_decode_index_scores_read_8_bit_keys(where, dtype, form) -> None:
     p, _, _, (keys8, keys) = _paged(dtype, 0, form)
     args = (p.block_table, p.n_blocks, p.max_blocks)
     got = triton_index_scores(p.q_idx, keys8, *args)
-    assert torch.equal(got, triton_index_scores(p.q_idx, keys, *args))
+    want = triton_index_scores(p.q_idx, keys, *args)
+    if INTERPRET:
+        assert torch.equal(got, want)
+    else:
+        # NOTE: on a GPU the kernel's dot takes the dequantized keys from registers and the 16-bit plane's
+        # from memory, which the compiler lowers differently (ops/fp8.py's NOTE): not the same bits on an
+        # H100 in bf16 or float32 (TF32), so close here; C1 holds among modes of one KV dtype either way
+        finite = want.isfinite()
+        assert torch.equal(got.isfinite(), finite)
+        assert (got[finite] - want[finite]).abs().max() <= 1e-2 * want[finite].abs().max()
     assert not torch.equal(got, triton_index_scores(p.q_idx, p.key_plane, *args))  # the 8-bit values
 
 

@@ -11,7 +11,8 @@ are its own), but it is used for prefill chunks only: it quantizes the activatio
 16-bit (docs: DESIGN, weights that do not fit).
 
 # NOTE: FP8 MMAs need sm_89 or newer (Ada, Hopper); older cards and float32 activations keep the
-# dequantize-then-GEMM path (ops/triton/fp8_dequant.py), as does everything while `PREFILL_W8A8` is off.
+# dequantize-then-GEMM path (ops/triton/fp8_dequant.py), as does everything while `PREFILL_W8A8` (and
+# moe_grouped's PREFILL_EXPERTS_W8A8) is off: the default, from the measurements in the NOTE below.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ import triton.language as tl
 
 from ..fp8 import BLOCK, FP8_MAX, Fp8Weight
 
-PREFILL_W8A8 = True  # prefill chunks' FP8 projections as W8A8 where the card has FP8 MMAs
-# NOTE: the projections' GEMM: "triton" (`_w8a8_gemm`), or "cublas": torch's block-scaled scaled_mm
-# (cuBLASLt 1x128 x 128x128 scaling: sm_90 with cuBLAS 12.9 or newer; elsewhere Triton's)
-W8A8_GEMM = "triton"
+# NOTE: off by default. With it on, and the grouped prefill experts as W8A8 too (moe_grouped
+# PREFILL_EXPERTS_W8A8), a cold 62,700-token FP8 prompt took 0.855 s against 0.625 s with both off, 8,192
+# tokens 66,045 against 96,806 tok/s (H100, random 8-layer FP8 weights; BENCHMARKS.md, Long prefill),
+# though the projections alone through cuBLAS's block-scaled GEMM ran 1.45-1.7x faster than the
+# dequantize-then-GEMM path at 4,096-8,192 rows (same call). The projections alone have not been measured
+# end to end.
+PREFILL_W8A8 = False  # prefill chunks' FP8 projections as W8A8 where the card has FP8 MMAs
+# NOTE: the projections' GEMM: "cublas": torch's block-scaled scaled_mm (cuBLASLt 1x128 x 128x128 scaling,
+# sm_90 with cuBLAS 12.9 or newer: 0.814 against 0.857 s for the 62,700-token prompt above, 1.6-1.7x the
+# Triton GEMM's speed on the projections), else "triton" (`_w8a8_gemm`, also where cuBLAS lacks it)
+W8A8_GEMM = "cublas"
 QUANT_ROWS = 16  # rows of a quantization program
 BLOCK_M, BLOCK_N, GROUP_M = 128, 128, 8  # GEMM tiles (K tiles are the 128-wide scale blocks)
 
@@ -37,17 +45,15 @@ def _fp8_mma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def w8a8_rows(x: torch.Tensor) -> bool:
-    """Whether prefill rows x run FP8 weights as W8A8 (the module docstring's NOTE): the projections here,
-    the grouped prefill experts in ops/triton/moe_grouped.py."""
-    return (
-        PREFILL_W8A8 and x.dtype in (torch.bfloat16, torch.float16) and (not x.is_cuda or _fp8_mma(x.device))
-    )
+def fp8_mma_rows(x: torch.Tensor) -> bool:
+    """Whether rows x may run as W8A8 (the module docstring's NOTE): 16-bit, on a card with FP8 MMAs (or in
+    Triton's interpreter, on the CPU)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and (not x.is_cuda or _fp8_mma(x.device))
 
 
 def w8a8_applies(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """Whether a prefill chunk's projection x @ weight^T runs here."""
-    return w8a8_rows(x) and x.dim() == 2 and weight.q.dim() == 2
+    """Whether a prefill chunk's projection x @ weight^T runs here (PREFILL_W8A8)."""
+    return PREFILL_W8A8 and fp8_mma_rows(x) and x.dim() == 2 and weight.q.dim() == 2
 
 
 @triton.jit

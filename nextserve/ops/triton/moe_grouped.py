@@ -75,7 +75,7 @@ from ..fp8 import Fp8Weight
 from ..int4 import Int4Weight
 from ..moe import default_block_m
 from .common import pdl_args, pdl_start
-from .fp8_gemm import quantize_activations, w8a8_rows
+from .fp8_gemm import fp8_mma_rows, quantize_activations
 from .int4_tiles import check_block_k, int4_dot, int4_launch_args
 from .moe_decode import expert_shapes
 from .moe_plan import BLOCK_M, plan
@@ -103,6 +103,11 @@ TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may
 # the 48-layer int4 build prefilled 8,192 tokens at 14,935 tok/s that way and at 6,894 with the slabs
 # (H100, two calls of one session).
 PREFILL_INT4_SLABS = False
+# NOTE: FP8 prefill experts as W8A8 (`_w8a8_dot`: x and the act rows quantized per row and 128 columns, K
+# tiles of 64) are off: with them and the W8A8 projections on, a cold 62,700-token FP8 prompt took 0.814-0.855
+# s against 0.625 s (H100; ops/triton/fp8_gemm.py's NOTE), while the projections alone ran faster at the
+# kernel level; the experts' tiles were not tuned for FP8 operands.
+PREFILL_EXPERTS_W8A8 = False
 
 
 def _fit(stages: int, stage_bytes: int, k_tiles: int) -> int:
@@ -565,7 +570,11 @@ def grouped_experts(
     The block sizes are part of the numerics. A repeated id in a row is still summed, in slot order, as
     the reference does."""
     bm = block_m or default_block_m(ids.numel(), gate_up.shape[0])
-    k_tile = 128 if isinstance(gate_up, Int4Weight) and int4_slabs else 64  # (int4_tiles.check_block_k)
+    # NOTE: the slabs run on 16-bit rows only (`_grouped`), so float32 rows take the K-order form's K tile:
+    # at 128 (the slabs' tile) a wide block of float32 rows asked for 278,528 bytes of shared memory at the
+    # fewest stages, past an H100 SM's 232,448 (GPU tests)
+    slabs = isinstance(gate_up, Int4Weight) and int4_slabs and x.element_size() == 2
+    k_tile = 128 if slabs else 64  # (int4_tiles.check_block_k)
     block_k, block_k_down = block_k or k_tile, block_k_down or k_tile
     wide = bm >= 128
     wide_warps = 8 if wide else 4
@@ -605,9 +614,9 @@ def _grouped(
     else:
         gate_up, sgu, gu_fp8 = _fp8_args(gate_up, sgu, "gus", "sgus", block_k, gate_up.shape[1] // 2)
         down, sdown, down_fp8 = _fp8_args(down, sdown, "ds", "sds", block_k_down, None)
-    # NOTE: prefill (sort) runs FP8 experts as W8A8 where the card has FP8 MMAs (fp8_gemm.w8a8_rows): x,
-    # and the act rows before `_down`, quantized per row and 128 columns; decode rows stay 16-bit
-    a_fp8 = sort and gu_fp8.get("W_FP8", False) and w8a8_rows(x)
+    # NOTE: with PREFILL_EXPERTS_W8A8, prefill (sort) runs FP8 experts as W8A8 where the card has FP8 MMAs:
+    # x, and the act rows before `_down`, quantized per row and 128 columns; decode rows stay 16-bit
+    a_fp8 = sort and gu_fp8.get("W_FP8", False) and PREFILL_EXPERTS_W8A8 and fp8_mma_rows(x)
     a_bytes = block_m * (1 if a_fp8 else x.element_size())  # an A tile's bytes per K column
     gu_stage = int(block_k * (a_bytes + 2 * block_n * w_bytes))
     down_stage = int(block_k_down * (a_bytes + block_n_down * w_bytes))
