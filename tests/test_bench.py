@@ -108,17 +108,18 @@ def test_random_model_matches_loader_names_and_is_finite() -> None:
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
 
 
-def test_bench_runs_with_an_int8_kv_cache(capsys, one_thread) -> None:
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+def test_bench_runs_with_an_8_bit_kv_cache(capsys, one_thread, form) -> None:
     argv = [
         "bench", "--device", "cpu", "--preset", "tiny", "--prompt-lens", "16", "--concurrency", "2",
         "--decode-steps", "3", "--decode-prompt-len", "8", "--copy-mib", "8", "--no-transformers",
-        "--no-profile", "--kv-dtype", "int8",
+        "--no-profile", "--kv-dtype", form,
     ]  # fmt: skip
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["engine"]["kv_dtype"] == "int8" and res["nextserve"]["decode"][0]["decode_tok_per_s"] > 0
+    assert res["engine"]["kv_dtype"] == form and res["nextserve"]["decode"][0]["decode_tok_per_s"] > 0
     with pytest.raises(SystemExit):
-        main(argv[:-1] + ["fp8"])
+        main(argv[:-1] + ["int4"])
 
 
 def test_bench_with_host_experts_reports_the_expert_cache(capsys, one_thread) -> None:
