@@ -26,7 +26,7 @@ import triton.language as tl
 from ..fp8 import BLOCK, FP8_MAX, Fp8Weight
 
 # NOTE: off by default. With it on, and the grouped prefill experts as W8A8 too (moe_grouped
-# PREFILL_EXPERTS_W8A8), a cold 62,700-token FP8 prompt took 0.855 s against 0.625 s with both off, 8,192
+# PREFILL_EXPERTS_W8A8), a cold 62,700-token FP8 prompt took 0.857 s against 0.626 s with both off, 8,192
 # tokens 66,045 against 96,806 tok/s (H100, random 8-layer FP8 weights; BENCHMARKS.md, Long prefill),
 # though the projections alone through cuBLAS's block-scaled GEMM ran 1.45-1.7x faster than the
 # dequantize-then-GEMM path at 4,096-8,192 rows (same call). The projections alone have not been measured

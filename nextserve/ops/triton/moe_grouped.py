@@ -104,8 +104,8 @@ TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may
 # (H100, two calls of one session).
 PREFILL_INT4_SLABS = False
 # NOTE: FP8 prefill experts as W8A8 (`_w8a8_dot`: x and the act rows quantized per row and 128 columns, K
-# tiles of 64) are off: with them and the W8A8 projections on, a cold 62,700-token FP8 prompt took 0.814-0.855
-# s against 0.625 s (H100; ops/triton/fp8_gemm.py's NOTE), while the projections alone ran faster at the
+# tiles of 64) are off: with them and the W8A8 projections on, a cold 62,700-token FP8 prompt took 0.814-0.857
+# s against 0.626 s (H100; ops/triton/fp8_gemm.py's NOTE), while the projections alone ran faster at the
 # kernel level; the experts' tiles were not tuned for FP8 operands.
 PREFILL_EXPERTS_W8A8 = False
 
