@@ -22,7 +22,7 @@ from .prepare import ClientGone
 from .reasoning import reasoning_opened, split_reasoning
 from .routes_chat import chat_prompt, checked_chat, start_chat, translated_chat
 from .state import ServerState
-from .streaming import EventStream
+from .streaming import KEEPALIVE, EventStream
 from .tool_calls import CallArgs, CallStart, ContentDelta, parse_tool_calls
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -153,7 +153,9 @@ class _Reply:
         try:
             async for out in gen.outputs():
                 if out is None:
-                    yield _event("ping", {"type": "ping"})
+                    # NOTE: Anthropic's stream opens with message_start, whose usage needs the first
+                    # output (the prompt's cached tokens): until then a quiet stream hears SSE comments
+                    yield _event("ping", {"type": "ping"}) if started else KEEPALIVE
                     continue
                 if failed(out):
                     err = failure_error(out)

@@ -144,7 +144,8 @@ def test_compiles_past_the_timeout_stop_and_leave_constrained_decoding_working(t
 
     from nextserve.server.limits import ServerLimits
 
-    limits = ServerLimits(grammar_timeout_s=1.0, max_schema_nodes=10**6)
+    # (2.5 s: the 40,000-value enums take 26 s; a small regex took over 1 s on a loaded 2-core CI machine)
+    limits = ServerLimits(grammar_timeout_s=2.5, max_schema_nodes=10**6)
     with live_server(tiny_model_dir, limits=limits) as srv:
         before = _rss_mib()
         for _ in range(2):

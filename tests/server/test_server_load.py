@@ -75,12 +75,10 @@ def one_slot(tiny_model_dir):
         yield srv
 
 
-def _raw_stream(srv, body: dict, out: dict) -> None:
+def _raw_stream(srv, body: dict, out: dict, path: str = "/v1/chat/completions") -> None:
     """Streams a request over a plain connection, recording every SSE line."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    conn.request(
-        "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
-    )
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     out["status"] = resp.status
     out["lines"] = [line.decode().rstrip("\n") for line in resp]
@@ -116,6 +114,31 @@ def test_full_queue_gets_503_and_waiters_get_keepalives(one_slot):
     lines = b["lines"]
     assert lines.count(": keep-alive") >= 2
     assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    assert_pool_full(srv.wait_idle())
+
+
+def test_a_queued_messages_stream_opens_with_message_start(one_slot):
+    """Bug: a /v1/messages stream quiet for keepalive_s before its first output (queued, or a slow first
+    token: CI's machine once took 5 s) sent `ping` events before `message_start`, which Anthropic's streams
+    never do. It now hears SSE comments until message_start, pings after."""
+    srv = one_slot
+    a = srv.client(max_retries=0).chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(a))
+    assert wait_until(lambda: srv.engine.stats()["running"] == 1)
+    b: dict = {}
+    body = {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, "stream": True}
+    tb = threading.Thread(target=_raw_stream, args=(srv, body, b, "/v1/messages"))
+    tb.start()
+    assert wait_until(lambda: srv.engine.stats()["waiting"] == 1)
+    time.sleep(0.35)
+    a.close()
+    tb.join(30)
+    assert b["status"] == 200
+    events = [line.removeprefix("event: ") for line in b["lines"] if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop", events
+    assert b["lines"].count(": keep-alive") >= 2
     assert_pool_full(srv.wait_idle())
 
 
