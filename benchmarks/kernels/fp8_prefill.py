@@ -55,7 +55,7 @@ def main() -> None:
                 "bf16_cublas": lambda x=x, w16=w16: F.linear(x, w16),
                 "fp8_dequant_cublas": lambda x=x, w=w: F.linear(x, triton_dequantize(w, x.dtype)),
                 "w8a8_triton": lambda x=x, w=w: w8a8_linear(x, w),
-                "w8a8_scaled_mm": lambda x=x, w=w: fp8_gemm._cublas_linear(x, w),
+                "w8a8_scaled_mm": lambda x=x, w=w: fp8_gemm.cublas_w8a8_linear(x, w),
                 "quantize_activations": lambda x=x: quantize_activations(x),
             }
             row = {"shape": what, "N": N, "K": K, "T": T}

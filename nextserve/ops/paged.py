@@ -31,7 +31,7 @@ def write_paged_rows(
     if use_kernel(*values) and all(isinstance(p, Kv8Plane) for p in planes):
         from .triton.paged import kv8_writable, triton_write_paged_kv8
 
-        if kv8_writable(planes, values):
+        if kv8_writable(planes):
             return triton_write_paged_kv8(planes, values, block_table, positions, per_page, unit)
     entry = torch.div(positions, unit, rounding_mode="floor")
     col = torch.div(entry, per_page, rounding_mode="floor")[:, None]

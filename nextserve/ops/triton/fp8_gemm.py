@@ -118,12 +118,12 @@ def _cublas_block_fp8(device: torch.device) -> bool:
         torch.ones((128, 256), device=device).to(torch.float8_e4m3fn), torch.ones((1, 2), device=device)
     )
     try:
-        return bool((_cublas_linear(x, w) == 256).all())
+        return bool((cublas_w8a8_linear(x, w) == 256).all())
     except (RuntimeError, NotImplementedError):
         return False
 
 
-def _cublas_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def cublas_w8a8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x @ weight^T through torch's block-scaled scaled_mm: the weight's scales transposed, their K blocks
     padded to a multiple of 4 (cuBLAS's layout)."""
     F = torch.nn.functional
@@ -173,7 +173,7 @@ def _w8a8_gemm(xq_ptr, xs_ptr, wq_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride
 def w8a8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x [T, K] @ weight^T -> [T, N] in x's dtype (ops.fp8.w8a8_linear's scheme), through `W8A8_GEMM`."""
     if W8A8_GEMM == "cublas" and x.is_cuda and _cublas_block_fp8(x.device):
-        return _cublas_linear(x, weight)
+        return cublas_w8a8_linear(x, weight)
     xq, xs = quantize_activations(x)
     wq, ws = weight.q, weight.scale
     wq = wq if wq.stride(-1) == 1 else wq.contiguous()

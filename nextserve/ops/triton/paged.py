@@ -91,11 +91,9 @@ def _write_rows_kv8(
     tl.store(s_ptr + slot * VECS + vec, scale, mask=vec < VECS)
 
 
-def kv8_writable(planes: tuple, values: tuple[torch.Tensor, ...]) -> bool:
-    """Whether `triton_write_paged_kv8` takes these planes: Kv8Planes with contiguous values and scales."""
-    return all(
-        isinstance(p, Kv8Plane) and p.values.is_contiguous() and p.scale.is_contiguous() for p in planes
-    ) and all(v.is_cuda for v in values)
+def kv8_writable(planes: tuple[Kv8Plane, ...]) -> bool:
+    """Whether `triton_write_paged_kv8` takes these 8-bit planes: contiguous codes and scales."""
+    return all(p.values.is_contiguous() and p.scale.is_contiguous() for p in planes)
 
 
 def triton_write_paged_kv8(
