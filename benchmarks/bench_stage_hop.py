@@ -2,10 +2,12 @@
 0 sends, stage 1 sends it back) over the Gloo channel (`--stage-transport host`) and the shared-memory rings
 (`shm`), as the pipeline's activations travel; a hop is half a round trip. With --device cuda the tensors
 live on the GPU and cross as HostTransport moves them (a pinned copy down, the channel, a copy up), and the
-device-to-host copy with its stream sync is timed apart, so the hop splits into its parts.
+device-to-host copy with its stream sync is timed apart, so the hop splits into its parts. --one-process
+runs both stages' ends in one process, one after the other (the same channel, copies and syncs): against
+two processes it shows what two processes sharing one GPU add (each waits on a device the other drives).
 
     python benchmarks/bench_stage_hop.py --sizes 20480 163840 1048576 --trips 200
-    python benchmarks/bench_stage_hop.py --device cuda
+    python benchmarks/bench_stage_hop.py --device cuda [--one-process]
 
 Prints one JSON object (revision, hardware, command, rows: channel, bytes, us a hop, median of trips).
 """
@@ -18,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,6 +88,7 @@ def _run(kind: str, device: torch.device, sizes: list[int], trips: int) -> list[
             "channel": kind,
             "device": str(device),
             "bytes": n,
+            "processes": 2,
             "us_a_hop": round(statistics.median(times) / 2 * 1e6, 1),
         }
         if device.type == "cuda":  # the part HostTransport adds before the channel: pinned copy and its sync
@@ -102,6 +106,46 @@ def _run(kind: str, device: torch.device, sizes: list[int], trips: int) -> list[
     return rows
 
 
+def _run_one_process(kind: str, device: torch.device, sizes: list[int], trips: int) -> list[dict]:
+    """Both ends in this process: stage 0 sends, stage 1 receives and sends back, stage 0 receives, in turn
+    on one thread (the channels are made on two, as their start-up meets)."""
+    port, channels = free_port(), [None, None]
+
+    def make(rank: int) -> None:
+        channels[rank] = CHANNELS[kind](rank, 2, port)
+
+    makers = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for m in makers:
+        m.start()
+    for m in makers:
+        m.join()
+    ends = [HostTransport(c, device) for c in channels]
+    rows = []
+    for n in sizes:
+        t = torch.randn(n // 2, device=device).to(torch.bfloat16)
+        times = []
+        for i in range(trips + 5):
+            _sync(device)
+            t0 = time.perf_counter()
+            ends[0].send(t, 1)  # (a Gloo send completes once its receive is posted: flushed after it)
+            mid = ends[1].recv((n // 2,), torch.bfloat16, 0)
+            channels[0].flush()
+            ends[1].send(mid, 0)
+            back = ends[0].recv((n // 2,), torch.bfloat16, 1)
+            channels[1].flush()
+            _sync(device)
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+        assert torch.equal(back, t), "the tensor came back changed"
+        us = round(statistics.median(times) / 2 * 1e6, 1)
+        rows.append({"channel": kind, "device": str(device), "bytes": n, "processes": 1, "us_a_hop": us})
+        print(f"# {kind} {n} B, one process: {us} us a hop", file=sys.stderr)
+    for c in channels:
+        if hasattr(c, "close"):  # (the shm rings unmap; a Gloo group goes with the process)
+            c.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[20480, 163840, 1048576, 16777216],
@@ -109,6 +153,7 @@ def main() -> None:
     ap.add_argument("--trips", type=int, default=200, help="round trips timed per size")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (tensors on the GPU, HostTransport's path)")
     ap.add_argument("--channels", nargs="+", default=["host", "shm"], choices=sorted(CHANNELS))
+    ap.add_argument("--one-process", action="store_true", help="also both ends in one process")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -117,6 +162,8 @@ def main() -> None:
         return
     device = torch.device(a.device)
     rows = [r for kind in a.channels for r in _run(kind, device, a.sizes, a.trips)]
+    if a.one_process:
+        rows += [r for kind in a.channels for r in _run_one_process(kind, device, a.sizes, a.trips)]
     out = {**git_info(), "hardware": hardware(device), "command": " ".join(sys.argv), "rows": rows}
     print(json.dumps(out, indent=1))
 

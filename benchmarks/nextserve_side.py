@@ -140,6 +140,10 @@ def main() -> None:
     res["agent"] = turns
     if torch.cuda.is_available():
         res["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        # a tight pool shows as retries: cudaMalloc failed, the allocator's cache was freed and it tried again
+        stats = torch.cuda.memory_stats()
+        keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+        res["allocator"] = {k: stats.get(k) for k in keys}
     res["stats"] = engine.stats()
     save()
     engine.close()

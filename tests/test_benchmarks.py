@@ -146,8 +146,9 @@ def run_json(*argv: str) -> dict:
          "--prefill-chunk", "32", "--kv-capacity", "4096"],
         ["benchmarks/rigs.py", "--layout", "B", "--modes", "serial", "decode groups", "--tokens", "4",
          "--long", "64", "--kv-dtype", "int8"],
+        ["benchmarks/bench_stage_hop.py", "--sizes", "4096", "--trips", "5", "--one-process"],
     ],
-    ids=["bench_prefix", "bench_speculative", "mtp_acceptance", "agents_under_load", "rigs"],
+    ids=["bench_prefix", "bench_speculative", "mtp_acceptance", "agents_under_load", "rigs", "stage_hop"],
 )  # fmt: skip
 def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
     res = run_json(*argv)
@@ -165,6 +166,10 @@ def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
         for mode in ("one process", "serial", "decode groups"):
             row = res["modes"][mode]
             assert row["outputs_equal"] == "4 of 4" and row["decode_4_tok_per_s"] > 0 and row["ttft_64_s"] > 0
+    if argv[0].endswith("bench_stage_hop.py"):
+        # each channel between two processes and within one (the tensor came back bit for bit, or it raised)
+        got = {(r["channel"], r["processes"]) for r in res["rows"] if r["us_a_hop"] > 0}
+        assert got == {("host", 2), ("shm", 2), ("host", 1), ("shm", 1)}, res["rows"]
     if argv[0].endswith("agents_under_load.py"):
         # 2 sessions, each until its prompt passes 200 tokens (96, then 32 + a reply of 3-9 more a turn)
         assert res["requests"] == 6 and set(res["ttft_by_turn"]) == {"1", "2", "3"}, res

@@ -5,9 +5,13 @@ int4_tiles.int4_dot: `int4` is the kernel's default form, `int4_slabs` / `int4_k
 Cold weights (an L2 flush between calls: small_m_gemm's Timer), CUDA graphs, median of trials; each with
 its bytes a call over the time, and the GEMV's error against float64 on the same dequantized weights.
 
-    python benchmarks/bench_kernels.py int4 --m 1 8 32 --tokens 1024 4096
+    python benchmarks/bench_kernels.py int4 --m 1 8 32 --tokens 1024 4096 [--sweep]
 
-Prints one JSON object (revision, hardware, command, rows).
+--sweep adds, per GEMV shape at each of --sweep-m, the int4 GEMV's launch configurations around the rule
+(gemv_config(..., int4=True)): tile widths, K splits, pipeline depths and warps, each a row-invariant
+configuration of its own (one serves every M, so a choice weighs 1 row against 32).
+
+Prints one JSON object (revision, hardware, command, rows, sweep).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import sys
 
 import torch
+import triton
 
 from kernels.small_m_gemm import Timer, _gbps
 from nextserve.bench import copy_bandwidth, git_info, hardware
@@ -24,7 +29,7 @@ from nextserve.ops.fp8 import Fp8Weight, quantize
 from nextserve.ops.int4 import quantize_int4
 from nextserve.ops.moe import route
 from nextserve.ops.triton.gemv import small_m_linear
-from nextserve.ops.triton.gemv_config import INT4_SLABS
+from nextserve.ops.triton.gemv_config import INT4_BLOCK_K, INT4_SLABS, gemv_config, k_splits
 from nextserve.ops.triton.moe_grouped import PREFILL_INT4_SLABS, grouped_decode_experts, grouped_experts
 
 GEMV_SHAPES = [  # (what, N, K): the projections the int4 and FP8 builds quantize
@@ -54,16 +59,44 @@ def _say(what: str, row: dict, runs: dict) -> None:
     print(f"# {what}: " + ", ".join(f"{f} {row[f + '_us']}" for f in runs), file=sys.stderr)
 
 
+def _sweep(timer: Timer, w, x: torch.Tensor) -> list[dict]:
+    """The int4 GEMV's configurations around the rule at x's row count (module docstring)."""
+    N, K = w.shape
+    rule = gemv_config(N, K, x.dtype, int4=True)
+    rule_key = (rule.block_n, rule.splits, rule.num_stages, rule.num_warps)
+    out = []
+    for bn in (16, 32, 64):
+        s_rule, _ = k_splits(N, K, bn, INT4_BLOCK_K)
+        k_tiles = triton.cdiv(K, INT4_BLOCK_K)
+        for want in sorted({1, s_rule, min(k_tiles, 2 * s_rule), min(k_tiles, 4 * s_rule)}):
+            s, _ = k_splits(N, K, bn, INT4_BLOCK_K, want=want)
+            for stages in (4, 8):
+                for warps in (4, 8) if bn >= 64 else (4,):
+                    cfg = dict(
+                        block_n=bn, block_k=INT4_BLOCK_K, splits=want, num_stages=stages, num_warps=warps
+                    )
+                    us = timer.cold_us(lambda cfg=cfg: small_m_linear(x, w, **cfg))
+                    is_rule = (bn, s, stages, warps) == rule_key
+                    out.append({"N": N, "K": K, "M": x.shape[0], "block_n": bn, "splits": s,
+                                "num_stages": stages, "num_warps": warps, "us": round(us, 2),
+                                "rule": is_rule})  # fmt: skip
+    best = min(out, key=lambda r: r["us"])
+    print(f"# sweep {N}x{K} M={x.shape[0]}: best {best}", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32], help="row counts")
     ap.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096], help="prefill chunk tokens")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the int4 GEMV's configurations")
+    ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 32], help="row counts of the sweep")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     timer = Timer(dev)
     bw = copy_bandwidth(dev, 1 << 30)
-    rows = []
+    rows, sweep = [], []
     for what, N, K in GEMV_SHAPES:
         ws = _weights((torch.randn(N, K, device=dev) / K**0.5).to(torch.bfloat16))
         timer.rebase()
@@ -82,6 +115,10 @@ def main() -> None:
                         f"{fmt}_rel_err": float(f"{err:.3g}")}  # fmt: skip
             rows.append(row)
             _say(f"gemv {N}x{K} M={M}", row, runs)
+        if args.sweep:
+            timer.rebase()
+            for M in args.sweep_m:
+                sweep += _sweep(timer, ws["int4"], torch.randn(M, K, device=dev, dtype=torch.bfloat16))
         del ws
     gu = _weights((torch.randn(E, 2 * I, H, device=dev) / H**0.5).to(torch.bfloat16))
     dn = _weights((torch.randn(E, H, I, device=dev) / I**0.5).to(torch.bfloat16))
@@ -117,7 +154,7 @@ def main() -> None:
         r["int4_vs_fp8"] = round(r["fp8_us"] / r["int4_us"], 3) if r["int4_us"] else None
         r["int4_vs_bf16"] = round(r["bf16_us"] / r["int4_us"], 3) if r["int4_us"] else None
     out = {**git_info(), "hardware": hardware(dev), "command": " ".join(sys.argv), "copy_bandwidth": bw,
-           "rows": rows}  # fmt: skip
+           "rows": rows, "sweep": sweep}  # fmt: skip
     print(json.dumps(out, indent=1))
 
 
