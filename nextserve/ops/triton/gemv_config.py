@@ -62,10 +62,11 @@ FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
 INT4_BLOCK_K = 128  # an int4 tile's K columns: one group of the usual 128 (one scale a column a tile)
 INT4_TILE_VALUES = 8192  # weights per tile (4 KiB of words): as many values as an FP8 tile holds
 INT4_NUM_STAGES = 8  # as FP8: a stage holds a quarter of a 16-bit stage's weight bytes
-# int4_tiles.int4_dot's form in the GEMV: each tile dequantized in K order and one dot. The eight-dot slab
-# form was faster at M = 1 on the in_proj stacks (31.1 against 40.2 us) but slower on the attention outputs
-# (44.1 against 31.3) and 4.6x slower at M = 32 on every projection (H100, one call; BENCHMARKS.md, W4A16),
-# while it is the faster form in the grouped decode experts (moe_grouped.PREFILL_INT4_SLABS's NOTE).
+# int4_tiles.int4_dot's form in the GEMV: each tile dequantized in K order and one dot. With the K-order
+# tile made by interleaves the eight-dot slab form ties it at M = 1 on the in_proj stacks (31.4 us both),
+# is slower on the attention outputs (43.6 against 23.7) and 5-8x slower at M = 32 on every projection (H100,
+# one call; BENCHMARKS.md, W4A16), while it stays the faster form in the grouped decode experts
+# (moe_grouped.PREFILL_INT4_SLABS's NOTE).
 INT4_SLABS = False
 
 
