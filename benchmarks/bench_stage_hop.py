@@ -53,6 +53,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _hop_us(trip, t: torch.Tensor, device: torch.device, trips: int) -> float:
+    """Median µs of half a round trip (`trip(t)` sends t out and returns it back), warm-up trips left out;
+    the tensor must come back bit for bit."""
+    times = []
+    for i in range(trips + 5):
+        _sync(device)
+        t0 = time.perf_counter()
+        back = trip(t)
+        _sync(device)
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    assert torch.equal(back, t), "the tensor came back changed"
+    return round(statistics.median(times) / 2 * 1e6, 1)
+
+
 def _run(kind: str, device: torch.device, sizes: list[int], trips: int) -> list[dict]:
     port = free_port()
     argv = [
@@ -73,24 +88,14 @@ def _run(kind: str, device: torch.device, sizes: list[int], trips: int) -> list[
     rows = []
     for n in sizes:
         t = torch.randn(n // 2, device=device).to(torch.bfloat16)
-        times = []
-        for i in range(trips + 5):
-            _sync(device)
-            t0 = time.perf_counter()
+
+        def trip(t: torch.Tensor = t) -> torch.Tensor:
             transport.send(t, 1)
             channel.flush()
-            back = transport.recv((n // 2,), torch.bfloat16, 1)
-            _sync(device)
-            if i >= 5:  # warm-up trips left out
-                times.append(time.perf_counter() - t0)
-        assert torch.equal(back, t), "the tensor came back changed"
-        row = {
-            "channel": kind,
-            "device": str(device),
-            "bytes": n,
-            "processes": 2,
-            "us_a_hop": round(statistics.median(times) / 2 * 1e6, 1),
-        }
+            return transport.recv(t.shape, t.dtype, 1)
+
+        row = {"channel": kind, "device": str(device), "bytes": n, "processes": 2}
+        row["us_a_hop"] = _hop_us(trip, t, device, trips)
         if device.type == "cuda":  # the part HostTransport adds before the channel: pinned copy and its sync
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             parts = []
@@ -123,21 +128,17 @@ def _run_one_process(kind: str, device: torch.device, sizes: list[int], trips: i
     rows = []
     for n in sizes:
         t = torch.randn(n // 2, device=device).to(torch.bfloat16)
-        times = []
-        for i in range(trips + 5):
-            _sync(device)
-            t0 = time.perf_counter()
+
+        def trip(t: torch.Tensor = t) -> torch.Tensor:
             ends[0].send(t, 1)  # (a Gloo send completes once its receive is posted: flushed after it)
-            mid = ends[1].recv((n // 2,), torch.bfloat16, 0)
+            mid = ends[1].recv(t.shape, t.dtype, 0)
             channels[0].flush()
             ends[1].send(mid, 0)
-            back = ends[0].recv((n // 2,), torch.bfloat16, 1)
+            back = ends[0].recv(t.shape, t.dtype, 1)
             channels[1].flush()
-            _sync(device)
-            if i >= 5:
-                times.append(time.perf_counter() - t0)
-        assert torch.equal(back, t), "the tensor came back changed"
-        us = round(statistics.median(times) / 2 * 1e6, 1)
+            return back
+
+        us = _hop_us(trip, t, device, trips)
         rows.append({"channel": kind, "device": str(device), "bytes": n, "processes": 1, "us_a_hop": us})
         print(f"# {kind} {n} B, one process: {us} us a hop", file=sys.stderr)
     for c in channels:
