@@ -80,6 +80,7 @@ def _sweep(timer: Timer, w, x: torch.Tensor) -> list[dict]:
                     out.append({"N": N, "K": K, "M": x.shape[0], "block_n": bn, "splits": s,
                                 "num_stages": stages, "num_warps": warps, "us": round(us, 2),
                                 "rule": is_rule})  # fmt: skip
+                    print(f"# sweep row {out[-1]}", file=sys.stderr)  # kept if the run is cut short
     best = min(out, key=lambda r: r["us"])
     print(f"# sweep {N}x{K} M={x.shape[0]}: best {best}", file=sys.stderr)
     return out
