@@ -79,16 +79,33 @@ def test_int4_gemv_is_the_16_bit_kernel_on_dequantized_weights(
 
 def test_int4_gemv_configuration():
     """The int4 rule: BLOCK_K one group of 128, BLOCK_N widened while it still launches the target programs
-    (up to INT4_TILE_VALUES weights a tile), a function of the shape alone (C1)."""
-    from nextserve.ops.triton.gemv_config import INT4_BLOCK_K, INT4_TILE_VALUES, TARGET_PROGRAMS, gemv_config
+    (up to INT4_TILE_VALUES weights a tile), a function of the shape alone (C1); the measured shapes take
+    INT4_TUNED's configuration (the rule's in a 16-bit dtype it was not measured in)."""
+    from nextserve.ops.triton.gemv_config import (
+        INT4_BLOCK_K,
+        INT4_TILE_VALUES,
+        INT4_TUNED,
+        TARGET_PROGRAMS,
+        gemv_config,
+        k_splits,
+    )  # fmt: skip
 
-    for N, K in [(16480, 2560), (13952, 2560), (2560, 6144), (640, 2560), (40, 300), (4, 2048)]:
-        cfg = gemv_config(N, K, torch.bfloat16, int4=True)
+    assert INT4_TUNED, "the released projections have measured configurations"
+    for (N, K, dtype), (bn, bk, want) in INT4_TUNED.items():
+        cfg = gemv_config(N, K, dtype, int4=True)
+        assert (cfg.block_n, cfg.block_k) == (bn, bk) == (bn, INT4_BLOCK_K)
+        assert (cfg.splits, cfg.split_tiles) == k_splits(N, K, bn, bk, want=want)
+        assert bn * bk <= INT4_TILE_VALUES and cfg.preload == 0
+        rule = gemv_config(N, K, torch.float16, int4=True)
+        assert (rule.block_n, rule.splits) != (bn, cfg.splits)
+    for N, K in [(640, 2560), (40, 300), (4, 2048), (16480, 2560)]:
+        dtype = torch.float16 if (N, K, torch.bfloat16) in INT4_TUNED else torch.bfloat16
+        cfg = gemv_config(N, K, dtype, int4=True)
         assert cfg.block_k == INT4_BLOCK_K and cfg.block_n * cfg.block_k <= INT4_TILE_VALUES
         wider = cfg.block_n * 2
         assert cfg.block_n == 16 or -(-N // cfg.block_n) >= TARGET_PROGRAMS
         assert wider * INT4_BLOCK_K > INT4_TILE_VALUES or -(-N // wider) < TARGET_PROGRAMS
-        assert cfg == gemv_config(N, K, torch.bfloat16, int4=True)
+        assert cfg == gemv_config(N, K, dtype, int4=True)
 
 
 @small

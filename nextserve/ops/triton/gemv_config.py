@@ -61,7 +61,18 @@ FP8_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
 
 INT4_BLOCK_K = 128  # an int4 tile's K columns: one group of the usual 128 (one scale a column a tile)
 INT4_TILE_VALUES = 8192  # weights per tile (4 KiB of words): as many values as an FP8 tile holds
-INT4_NUM_STAGES = 8  # as FP8: a stage holds a quarter of a 16-bit stage's weight bytes
+# a stage holds a quarter of a 16-bit stage's weight bytes, yet 4 deep beats 8 on every projection the int4
+# builds quantize, at 1 row and at 32 (H100, `benchmarks/bench_kernels.py int4 --sweep`; BENCHMARKS.md, W4A16)
+INT4_NUM_STAGES = 4
+# int4 weights' measured best configurations (that sweep, cold weights, the best sum of M = 1 and M = 32),
+# keyed like TUNED. The rule's TARGET_PROGRAMS keeps the in_proj stacks 32 wide (cdiv(N, 64) is 258 and 218
+# programs, just short of 264), yet the 64-wide tile reads the longer runs of words; the outputs want more
+# and wider programs than the rule's 16-wide tiles in 2 splits.
+INT4_TUNED: dict[tuple[int, int, torch.dtype], tuple[int, int, int]] = {
+    (16480, 2560, torch.bfloat16): (64, 128, 1),  # GDN in_proj: 26.8 / 35.9 us (M = 1 / 32), rule 30.7 / 42.0
+    (13952, 2560, torch.bfloat16): (64, 128, 1),  # QSA in_proj: 26.6 / 34.8 us, rule 30.4 / 41.0
+    (2560, 6144, torch.bfloat16): (32, 128, 8),  # GDN out, QSA o_proj: 15.4 / 20.0 us, rule 23.8 / 25.6
+}
 # int4_tiles.int4_dot's form in the GEMV: each tile dequantized in K order and one dot. With the K-order
 # tile made by interleaves the eight-dot slab form ties it at M = 1 on the in_proj stacks (31.4 us both),
 # is slower on the attention outputs (43.6 against 23.7) and 5-8x slower at M = 32 on every projection (H100,
@@ -80,10 +91,11 @@ def gemv_config(
     rule's constants, overridden only by the benchmark that compares rules (which then ignores TUNED).
     `fp8`: an FP8 weight scaled after each tile's dot (POST_SCALE): tiles of one 128-column scale block,
     BLOCK_N as wide as still launches `target` programs (up to FP8_TILE_BYTES a tile), FP8_NUM_STAGES deep.
-    `int4`: the same rule over tiles of INT4_BLOCK_K columns and up to INT4_TILE_VALUES weights."""
+    `int4`: the same rule over tiles of INT4_BLOCK_K columns and up to INT4_TILE_VALUES weights (INT4_TUNED
+    for the shapes measured)."""
     rule = (target, min_split) == (TARGET_PROGRAMS, MIN_SPLIT_K_TILES)
-    tuned = (FP8_TUNED if fp8 else TUNED).get((N, K, dtype)) if rule else None
-    if tuned is not None and not int4:
+    tuned = (INT4_TUNED if int4 else FP8_TUNED if fp8 else TUNED).get((N, K, dtype)) if rule else None
+    if tuned is not None:
         block_n, block_k, want = tuned
         splits = k_splits(N, K, block_n, block_k, want=want)
     elif fp8 or int4:
