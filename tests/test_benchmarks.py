@@ -170,6 +170,10 @@ def test_the_cpu_sized_tools_run(argv: list[str]) -> None:
         # each channel between two processes and within one (the tensor came back bit for bit, or it raised)
         got = {(r["channel"], r["processes"]) for r in res["rows"] if r["us_a_hop"] > 0}
         assert got == {("host", 2), ("shm", 2), ("host", 1), ("shm", 1)}, res["rows"]
+        for r in res["rows"]:  # one process: the channel's parts of a hop, timed apart (CPU: no copies)
+            parts = r.get("us_by_part", {"channel_send": 0, "channel_recv": 0, "channel_flush": 0})
+            assert set(parts) == {"channel_send", "channel_recv", "channel_flush"}, r
+            assert r["processes"] == 2 or min(parts.values()) > 0, r
     if argv[0].endswith("agents_under_load.py"):
         # 2 sessions, each until its prompt passes 200 tokens (96, then 32 + a reply of 3-9 more a turn)
         assert res["requests"] == 6 and set(res["ttft_by_turn"]) == {"1", "2", "3"}, res

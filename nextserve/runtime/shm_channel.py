@@ -57,6 +57,7 @@ class ShmChannel(StageChannel):
         self.inn: dict[tuple[int, int], ShmRing] = {}
         self.queued: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self.pids: dict[int, int] = {}
+        self.backlog = 0  # messages queued (not yet all in slots), over every ring
         self._connect()
 
     @staticmethod
@@ -107,14 +108,17 @@ class ShmChannel(StageChannel):
     # ---- moving bytes ----------------------------------------------------------------------------------
     def _progress(self) -> None:
         """Copy queued sends into whatever slots are free, in order per ring; never waits."""
+        if not self.backlog:
+            return
         for key, queue in self.queued.items():
             ring = self.out[key]
             while queue and ring.free_slots() > 0:
                 data, off = queue[0]
                 n = min(ring.slot_bytes, data.numel() - off)
-                ring.put_chunk(data[off : off + n])
+                ring.put_chunk(data.data_ptr() + off, n)
                 if off + n == data.numel():
                     queue.popleft()
+                    self.backlog -= 1
                 else:
                     queue[0] = (data, off + n)
 
@@ -139,21 +143,33 @@ class ShmChannel(StageChannel):
                 check = now + LIVENESS_S
 
     def _send(self, data: torch.Tensor, dst: int, tag: int) -> None:
-        if data.numel():
-            self.queued[dst, tag].append((data, 0))
-            self._progress()
+        """data: contiguous uint8 on the CPU, kept (queued) until its last byte is in a slot."""
+        n = data.numel()
+        if not n:
+            return
+        ring = self.out[dst, tag]
+        if not self.queued[dst, tag] and n <= ring.slot_bytes and ring.free_slots() > 0:
+            ring.put_chunk(data.data_ptr(), n)  # the usual hop: one slot, free
+            return
+        self.queued[dst, tag].append((data, 0))
+        self.backlog += 1
+        self._progress()
 
     def _recv_into(self, raw: torch.Tensor, src: int, tag: int) -> None:
-        ring, off = self.inn[src, tag], 0
-        while off < raw.numel():
-            self._wait(lambda: ring.ready_slots() > 0, src)
-            off += ring.get_chunk(raw[off:])
+        """raw: contiguous uint8 on the CPU."""
+        ring, off, addr, n = self.inn[src, tag], 0, raw.data_ptr(), raw.numel()
+        while off < n:
+            if ring.ready_slots() <= 0:
+                self._wait(lambda: ring.ready_slots() > 0, src)
+            off += ring.get_chunk(addr + off, n - off)
 
     # ---- StageChannel's calls --------------------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
         self._send(t.contiguous().view(torch.uint8).flatten(), dst, 0)
 
     def flush(self) -> None:
+        if not self.backlog:
+            return
         for (dst, _), queue in list(self.queued.items()):
             self._wait(lambda q=queue: not q, dst)
 
@@ -181,6 +197,7 @@ class ShmChannel(StageChannel):
 
     def close(self) -> None:
         self.queued.clear()
+        self.backlog = 0
         for ring in [*self.out.values(), *self.inn.values()]:
             ring.close()
         self.out, self.inn = {}, {}

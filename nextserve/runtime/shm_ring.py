@@ -15,6 +15,7 @@ of payload. Each side only ever stores its own count.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -59,22 +60,21 @@ class ShmRing:
         self.sizes = np.ndarray((slots,), dtype=np.int64, buffer=self.map, offset=COUNTS, strides=(stride,))
         self.written = int(self.counts[WRITTEN])  # this side's copy of its own count
         self.read = int(self.counts[READ])
-
-    def payload(self, slot: int) -> torch.Tensor:
-        start = COUNTS + slot * (HEADER + self.slot_bytes) + HEADER
-        return self.bytes[start : start + self.slot_bytes]
+        # NOTE: a copy is one memmove between addresses: a hop's bytes are few, and torch's slicing and
+        # copy_ around them cost more than the copy itself (BENCHMARKS.md, Pipeline stages)
+        base = self.bytes.data_ptr() + COUNTS + HEADER
+        self.payloads = [base + i * stride for i in range(slots)]  # each slot's payload address
 
     # ---- the writer's side ---------------------------------------------------------------------------------
     def free_slots(self) -> int:
         return self.slots - (self.written - int(self.counts[READ]))
 
-    def put_chunk(self, data: torch.Tensor) -> None:
-        """Copy data (uint8, at most slot_bytes) into the next slot and publish it; the caller checked that a
-        slot is free (`free_slots`)."""
-        n = data.numel()
-        assert 0 < n <= self.slot_bytes and self.free_slots() > 0, (n, self.slot_bytes)
+    def put_chunk(self, src: int, n: int) -> None:
+        """Copy n bytes (at most slot_bytes) from address src into the next slot and publish it; the caller
+        checked that a slot is free (`free_slots`) and keeps src alive."""
+        assert 0 < n <= self.slot_bytes, (n, self.slot_bytes)
         slot = self.written % self.slots
-        self.payload(slot)[:n].copy_(data)
+        ctypes.memmove(self.payloads[slot], src, n)
         self.sizes[slot] = n
         self.written += 1
         self.counts[WRITTEN] = self.written  # NOTE: last: publishes the slot (module NOTE)
@@ -83,17 +83,14 @@ class ShmRing:
     def ready_slots(self) -> int:
         return int(self.counts[WRITTEN]) - self.read
 
-    def get_chunk(self, out: torch.Tensor) -> int:
-        """Copy the next slot's bytes into the start of out (uint8) and free the slot; returns their count.
+    def get_chunk(self, dst: int, room: int) -> int:
+        """Copy the next slot's bytes to address dst (room bytes there) and free the slot; returns how many.
         The caller checked that a slot is ready (`ready_slots`)."""
-        assert self.ready_slots() > 0
         slot = self.read % self.slots
         n = int(self.sizes[slot])
-        if not 0 < n <= min(self.slot_bytes, out.numel()):
-            raise RuntimeError(
-                f"shared-memory ring {self.path}: a slot of {n} bytes where {out.numel()} are due"
-            )
-        out[:n].copy_(self.payload(slot)[:n])
+        if not 0 < n <= min(self.slot_bytes, room):
+            raise RuntimeError(f"shared-memory ring {self.path}: a slot of {n} bytes where {room} are due")
+        ctypes.memmove(dst, self.payloads[slot], n)
         self.read += 1
         self.counts[READ] = self.read  # NOTE: last: the slot may be written again (module NOTE)
         return n
