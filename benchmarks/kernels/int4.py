@@ -5,11 +5,12 @@ int4_tiles.int4_dot: `int4` is the kernel's default form, `int4_slabs` / `int4_k
 Cold weights (an L2 flush between calls: small_m_gemm's Timer), CUDA graphs, median of trials; each with
 its bytes a call over the time, and the GEMV's error against float64 on the same dequantized weights.
 
-    python benchmarks/bench_kernels.py int4 --m 1 8 32 --tokens 1024 4096 [--sweep]
+    python benchmarks/bench_kernels.py int4 --m 1 8 32 --tokens 1024 4096 [--sweep] [--sweep-experts]
 
 --sweep adds, per GEMV shape at each of --sweep-m, the int4 GEMV's launch configurations around the rule
 (gemv_config(..., int4=True)): tile widths, K splits, pipeline depths and warps, each a row-invariant
-configuration of its own (one serves every M, so a choice weighs 1 row against 32).
+configuration of its own (one serves every M, so a choice weighs 1 row against 32). --sweep-experts adds the
+int4 decode experts' blocks (tile widths, depth, warps) at each of --m.
 
 Prints one JSON object (revision, hardware, command, rows, sweep).
 """
@@ -86,12 +87,30 @@ def _sweep(timer: Timer, w, x: torch.Tensor) -> list[dict]:
     return out
 
 
+def _sweep_experts(timer: Timer, gu, dn, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> list[dict]:
+    """The int4 decode experts' blocks around the defaults at x's row count: gate/up and down tile widths,
+    pipeline depth and warps (both kernels alike), in the default form (module docstring)."""
+    out = []
+    for bn, bn_down in ((32, 64), (64, 64), (32, 128), (64, 128), (16, 64)):
+        for stages in (4, 6, 8):
+            for warps in (4, 8):
+                cfg = dict(block_n=bn, block_n_down=bn_down, stages=stages, stages_down=stages, warps=warps,
+                           warps_down=warps)  # fmt: skip
+                us = timer.cold_us(lambda cfg=cfg: grouped_decode_experts(x, w, ids, gu, dn, **cfg))
+                out.append({"M": x.shape[0], **cfg, "us": round(us, 2)})
+                print(f"# experts sweep row {out[-1]}", file=sys.stderr)
+    best = min(out, key=lambda r: r["us"])
+    print(f"# experts sweep M={x.shape[0]}: best {best}", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32], help="row counts")
     ap.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096], help="prefill chunk tokens")
     ap.add_argument("--sweep", action="store_true", help="also sweep the int4 GEMV's configurations")
     ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 32], help="row counts of the sweep")
+    ap.add_argument("--sweep-experts", action="store_true", help="also sweep the int4 decode experts' blocks")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -137,6 +156,8 @@ def main() -> None:
             row |= {f"{fmt}_us": round(us, 2), f"{fmt}_GBps": _gbps(_bytes(fmt, touched * 3 * H * I), us)}
         rows.append(row)
         _say(f"experts M={M}", row, runs)
+        if args.sweep_experts:
+            sweep += _sweep_experts(timer, gu["int4"], dn["int4"], x, w, ids)
     for T in args.tokens:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         w, ids = route(torch.randn(T, E, device=dev, dtype=torch.bfloat16), TOP_K, True)
