@@ -5,8 +5,8 @@ live on the GPU and cross as HostTransport moves them (a pinned copy down, the c
 device-to-host copy with its stream sync is timed apart, so the hop splits into its parts. --one-process
 runs both stages' ends in one process, one after the other (the same channel, copies and syncs): against
 two processes it shows what two processes sharing one GPU add (each waits on a device the other drives); it
-also times one hop's parts apart (`us_by_part`: pinned buffer, copy down and sync, channel send, receive and
-flush, copy up and its sync).
+also times one hop's parts apart (`us_by_part`: the outgoing buffer, copy down and sync, channel send, the
+incoming buffer, channel receive and flush, copy up and its sync).
 
     python benchmarks/bench_stage_hop.py --sizes 20480 163840 1048576 --trips 200
     python benchmarks/bench_stage_hop.py --device cuda [--one-process]
@@ -142,7 +142,7 @@ def _run_one_process(kind: str, device: torch.device, sizes: list[int], trips: i
 
         us = _hop_us(trip, t, device, trips)
         row = {"channel": kind, "device": str(device), "bytes": n, "processes": 1, "us_a_hop": us}
-        rows.append(row | {"us_by_part": _parts(channels, t, trips)})
+        rows.append(row | {"us_by_part": _parts(ends, channels, t, trips)})
         print(f"# {kind} {n} B, one process: {us} us a hop, {rows[-1]['us_by_part']}", file=sys.stderr)
     for c in channels:
         if hasattr(c, "close"):  # (the shm rings unmap; a Gloo group goes with the process)
@@ -150,11 +150,11 @@ def _run_one_process(kind: str, device: torch.device, sizes: list[int], trips: i
     return rows
 
 
-def _parts(channels: list, t: torch.Tensor, trips: int) -> dict[str, float]:
+def _parts(ends: list[HostTransport], channels: list, t: torch.Tensor, trips: int) -> dict[str, float]:
     """One hop of HostTransport's path, stage 0 to stage 1, each part timed alone (median µs of trips): the
-    pinned buffer, the copy down with its sync, the channel's send, receive (into a pinned buffer where the
-    tensor is on a GPU) and flush, the copy up queued and waited for. On the CPU only the channel's parts
-    run (HostTransport sends a CPU tensor as it is)."""
+    outgoing pinned buffer, the copy down with its sync, the channel's send, the incoming buffer, the
+    channel's receive into it and flush, the copy up queued and waited for. On the CPU only the channel's
+    parts run (HostTransport sends a CPU tensor as it is)."""
     cuda = t.device.type == "cuda"
     stream = torch.cuda.current_stream(t.device) if cuda else None
     times: dict[str, list[float]] = {}
@@ -166,19 +166,24 @@ def _parts(channels: list, t: torch.Tensor, trips: int) -> dict[str, float]:
 
         host = t
         if cuda:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            mark("pinned_buffer")
+            host = ends[0].outgoing_buffer(t)
+            mark("outgoing_buffer")
             host.copy_(t, non_blocking=True)
             stream.synchronize()
             mark("copy_down_and_sync")
         channels[0].send(host, 1)
         mark("channel_send")
-        got = channels[1].recv(t.shape, t.dtype, 0, pin=cuda)
+        if cuda:
+            slot, got = ends[1].incoming_buffer(t.shape, t.dtype)
+            mark("incoming_buffer")
+        else:
+            got = torch.empty_like(t)
+        channels[1].recv_into(got, 0)
         mark("channel_recv")
         channels[0].flush()
         mark("channel_flush")
         if cuda:
-            got = got.to(t.device, non_blocking=True)
+            got = ends[1].copy_up(slot, got)
             mark("copy_up_queued")
             stream.synchronize()
             mark("copy_up_sync")

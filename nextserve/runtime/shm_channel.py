@@ -190,10 +190,20 @@ class ShmChannel(StageChannel):
         self._recv_into(buf, 0, STEP_TAG)
         return stage_codec.loads(buf.numpy().tobytes())
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, pin: bool = False) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
-        self._recv_into(buf.view(torch.uint8).flatten(), src, 0)
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype)
+        self.recv_into(buf, src)
         return buf
+
+    def recv_into(self, t: torch.Tensor, src: int) -> None:
+        self._recv_into(t.view(torch.uint8).flatten(), src, 0)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        if not self.backlog:  # (every byte sent so far is in a slot)
+            return False
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        return any(lo <= data.data_ptr() < hi for queue in self.queued.values() for data, _ in queue)
 
     def close(self) -> None:
         self.queued.clear()

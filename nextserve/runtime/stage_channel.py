@@ -74,11 +74,21 @@ class StageChannel:
         self.group.recv([buf], 0, STEP_TAG).wait()
         return stage_codec.loads(buf.numpy().tobytes())
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, pin: bool = False) -> torch.Tensor:
-        """A host tensor from stage src (in pinned memory with `pin`, to be copied on to a GPU)."""
-        buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
-        self.group.recv([buf.view(torch.uint8).flatten()], src, 0).wait()
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """A host tensor from stage src."""
+        buf = torch.empty(shape, dtype=dtype)
+        self.recv_into(buf, src)
         return buf
+
+    def recv_into(self, t: torch.Tensor, src: int) -> None:
+        """The next tensor from stage src into t (contiguous, on the host, its shape and dtype)."""
+        self.group.recv([t.view(torch.uint8).flatten()], src, 0).wait()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether a send not yet done still reads t's memory (so it may not be written yet)."""
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        return any(lo <= data.data_ptr() < hi and not work.is_completed() for work, data in self.pending)
 
     def broadcast(self, obj: object) -> object:
         """obj from stage 0 to every stage (the others pass None)."""

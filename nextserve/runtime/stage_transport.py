@@ -1,8 +1,9 @@
 """How activations (and the last stage's logits) cross pipeline stages (--stage-transport):
 
-- `host`: through host memory over the stages' Gloo group (stage_channel.py). On the CPU the tensors are
-  sent as they are; from a GPU they are copied to pinned host memory first and on to the next stage's
-  GPU after (GPUs without peer access).
+- `host` and `shm`: through host memory over the stages' channel (Gloo: stage_channel.py; shared-memory rings:
+  shm_channel.py). On the CPU the tensors are sent as they are; from a GPU they are copied down into a pinned
+  buffer first and up to the next stage's GPU from another after (GPUs without peer access), buffers reused
+  from hop to hop (hop_buffers.py).
 - `nccl`: GPU to GPU over standalone NCCL groups built from the stages' store (no global process group,
   so several engines can live in one process).
 
@@ -13,10 +14,12 @@ messages stay on Gloo (StageChannel).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
 
+from .hop_buffers import HopBuffers
 from .stage_channel import TIMEOUT, StageChannel
 
 log = logging.getLogger("nextserve.pipeline")
@@ -27,26 +30,54 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 class HostTransport:
-    """Activations through host memory over the stages' Gloo group."""
+    """Activations through host memory over the stages' channel (Gloo, or shared-memory rings)."""
 
     def __init__(self, channel: StageChannel, device: torch.device) -> None:
         self.channel, self.device = channel, device
+        pin = device.type == "cuda"
+        self.outgoing, self.incoming = HopBuffers(pin), HopBuffers(pin)
+        self.copied_up: dict[int, torch.cuda.Event] = {}  # incoming buffer -> its last copy up
+
+    def outgoing_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        """A pinned buffer shaped as t that the channel no longer reads (its last send is done)."""
+        bufs = self.outgoing.bufs
+        _, raw = self.outgoing.take(t.numel() * t.element_size(), lambda i: self.channel.holds(bufs[i]))
+        return raw.view(t.dtype).view(t.shape)
+
+    def incoming_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """(i, a pinned buffer [shape] of dtype whose last copy up has run)."""
+
+        def busy(i: int) -> bool:
+            done = self.copied_up.get(i)
+            return done is not None and not done.query()
+
+        i, raw = self.incoming.take(math.prod(shape) * dtype.itemsize, busy)
+        return i, raw.view(dtype).view(shape)
+
+    def copy_up(self, i: int, host: torch.Tensor) -> torch.Tensor:
+        """host (incoming buffer i) on this stage's GPU: queued on the current stream, the buffer free again
+        once the copy has run."""
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        out.copy_(host, non_blocking=True)
+        if i >= 0:
+            self.copied_up.setdefault(i, torch.cuda.Event()).record()
+        return out
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         if t.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = self.outgoing_buffer(t)
             host.copy_(t, non_blocking=True)
-            # NOTE: Gloo reads the host buffer on its own thread, so the copy must be done first.
+            # NOTE: the channel reads the host buffer (Gloo on its own thread): the copy must be done first.
             torch.cuda.current_stream(t.device).synchronize()
             t = host
-        self.channel.send(t, dst)  # the channel keeps the buffer until `flush`
+        self.channel.send(t, dst)  # the channel keeps the buffer until its send is done (`holds`)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.channel.recv(shape, dtype, src)
-        # NOTE: the pinned buffer may be freed at once: torch's host allocator does not reuse it before
-        # the copy (queued on the current stream) is done.
-        return self.channel.recv(shape, dtype, src, pin=True).to(self.device, non_blocking=True)
+        i, host = self.incoming_buffer(shape, dtype)
+        self.channel.recv_into(host, src)
+        return self.copy_up(i, host)
 
     def flush(self) -> None:
         """The channel's sends (StageWorker flushes the channel itself)."""
