@@ -117,7 +117,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "guessed one, else dropped (outputs unchanged; counts in stats and /metrics)",
     "stage_transport": "how activations cross stages: nccl (GPU to GPU), host (through pinned host memory "
     "over Gloo, for GPUs without peer access), shm (every message between stages through rings in "
-    "/dev/shm, no socket: stages on one machine, x86-64), or auto (nccl on CUDA, host on the CPU)",
+    "/dev/shm, no socket: stages on one machine, x86-64), or auto (nccl on CUDA with a GPU per stage, shm "
+    "where stages share a GPU, host on the CPU)",
     "pdl": "launch the Triton kernels with programmatic dependent launch, so each one's start overlaps "
     "the previous one's end (sm_90+ GPUs; same outputs either way; --no-pdl turns it off)",
     "async_scheduling": "launch each step of greedy decodes (no logprobs, no grammar, not speculating, one "

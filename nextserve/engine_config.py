@@ -57,7 +57,7 @@ class EngineConfig:
     prefill_batch_chunks: int | str = "auto"
     # prompt chunks a step runs while it also decodes (auto: one in one process; with stages all of a step's)
     prefill_chunks_beside_decodes: int | str = "auto"
-    stage_transport: str = "auto"  # activations between stages: nccl, host (pinned memory + Gloo), auto
+    stage_transport: str = "auto"  # between stages: nccl, host (pinned memory + Gloo), shm, auto
     head_embedding: str = "device"  # the last stage's MTP token embeddings: a device copy, or host (pinned)
     pipeline_windows: bool = False  # front stages run the MTP-guessed next window while the last verifies
     host_state_slots: int | str = "auto"  # prefix images kept in host memory (0: off; auto: on if room)
@@ -222,7 +222,7 @@ class EngineConfig:
             )
         # NOTE: NCCL runs one rank per GPU; through host memory several stages may share a GPU (one GPU
         # then runs the stage processes, as tests/gpu/test_pipeline_cuda.py does on a single H200).
-        if len(set(indices)) != len(indices) and self.stage_transport not in ("host", "shm"):
+        if len(set(indices)) != len(indices) and self.stage_transport == "nccl":
             raise ConfigError(
                 f"pipeline_devices names a GPU twice, which needs --stage-transport host or shm (NCCL runs "
                 f"one stage per GPU), got {devices!r}"
@@ -365,10 +365,23 @@ class EngineConfig:
         return counts
 
     def stage_transport_kind(self) -> str:
-        """stage_transport with auto resolved: nccl on CUDA, host on the CPU (Gloo only)."""
+        """stage_transport with auto resolved: nccl on CUDA with a GPU per stage; where stages share a GPU
+        (NCCL cannot), shm where this machine allows it, else host; host on the CPU.
+
+        # NOTE: shm for a shared GPU because its pipeline decoded one request at 1.45x Gloo's speed (H100,
+        # BENCHMARKS.md, Pipeline stages); on the CPU auto stays host: shm is opt-in there."""
         if self.stage_transport != "auto":
             return self.stage_transport
-        return "nccl" if self.torch_device().type == "cuda" else "host"
+        if self.torch_device().type != "cuda":
+            return "host"
+        devices = [d.index for d in self.stage_devices()]
+        if len(set(devices)) == len(devices):
+            return "nccl"
+        try:
+            _check_shm(self.pipeline_stages)
+        except ConfigError:
+            return "host"
+        return "shm"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -115,7 +115,6 @@ def test_cpu_stages_refuse_gpu_transport_when_auto_picks_the_cpu(small_model_dir
         ({"pipeline_devices": 1}, "comma-separated"),
         ({"pipeline_devices": [0, "1"]}, "comma-separated"),
         ({"pipeline_devices": [True, False]}, "comma-separated"),
-        ({"pipeline_devices": "0,0"}, "GPU twice"),
         ({"pipeline_devices": "0,0", "stage_transport": "nccl"}, "GPU twice"),
         ({"pipeline_devices": "0"}, "one per stage"),
         ({"pipeline_devices": "0,1,2"}, "one per stage"),
@@ -130,7 +129,8 @@ def test_stage_flags_bad_values(kw, match) -> None:
 
 def test_stage_flags_good_values(monkeypatch) -> None:
     """pipeline_devices is kept as "i,j" (a list of ints is taken too); stages map to devices by it,
-    else consecutively from --device's index; auto transport is nccl on CUDA, host on the CPU."""
+    else consecutively from --device's index; auto transport is nccl on CUDA (shm, else host, where stages
+    share a GPU), host on the CPU."""
     c = EngineConfig(device="cuda", pipeline_stages=2, pipeline_devices=" 1, 0 ")
     assert c.pipeline_devices == "1,0"
     assert EngineConfig(device="cuda", pipeline_stages=2, pipeline_devices=[1, 0]) == c
@@ -144,6 +144,17 @@ def test_stage_flags_good_values(monkeypatch) -> None:
     assert at2.stage_devices() == [torch.device("cuda", 2), torch.device("cuda", 3)]
     assert at2.stage_transport_kind() == "host"
     assert EngineConfig(device="cuda", pipeline_stages=2).stage_devices()[1] == torch.device("cuda", 1)
+    # stages sharing a GPU: auto takes the shared-memory rings where the machine allows them, else Gloo
+    import nextserve.engine_config as engine_config
+
+    def no_room(stages: int) -> None:
+        raise ConfigError("no room in /dev/shm")
+
+    shared = EngineConfig(device="cuda", pipeline_stages=3, pipeline_devices="0,1,0")
+    monkeypatch.setattr(engine_config, "_check_shm", lambda stages: None)
+    assert shared.stage_transport_kind() == "shm"
+    monkeypatch.setattr(engine_config, "_check_shm", no_room)
+    assert shared.stage_transport_kind() == "host" and c.stage_transport_kind() == "nccl"
 
 
 def test_stage_flags_on_the_command_line() -> None:
