@@ -60,7 +60,8 @@ class HostTransport:
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         out.copy_(host, non_blocking=True)
         if i >= 0:
-            self.copied_up.setdefault(i, torch.cuda.Event()).record()
+            # NOTE: on the stream the copy went to (the destination's), whatever device is current
+            self.copied_up.setdefault(i, torch.cuda.Event()).record(torch.cuda.current_stream(self.device))
         return out
 
     def send(self, t: torch.Tensor, dst: int) -> None:
