@@ -4,6 +4,7 @@ throttled machine hits every mode alike. Tokens are checked equal to one process
 
     python benchmarks/bench_pipeline.py                          # default model, CPU, 2 stages, 1 thread
     python benchmarks/bench_pipeline.py --device cuda --dtype bfloat16 --pipeline-devices 0,1
+    python benchmarks/bench_pipeline.py --requests 1 --groups 1 --trace /tmp/trace  # where a token goes
 
 Prints one JSON object: revision, hardware, command, settings, and per mode the wall seconds of each round
 (prefill + decode of every request), their median and output tokens/s at the median.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nextserve import LLM, SamplingParams  # noqa: E402
 from nextserve.bench.provenance import git_info, hardware  # noqa: E402
 from nextserve.engine_config import DEFAULT_MODEL  # noqa: E402
+from nextserve.runtime.stage_worker import TRACE_ENV  # noqa: E402
 
 
 def stage_arguments(ap: argparse.ArgumentParser) -> None:
@@ -41,6 +44,26 @@ def stage_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--revision", default=None, help="record this git revision (a tree copied without .git)")
 
 
+def _trace_dir(root: str, mode: str) -> Path:
+    path = Path(root) / mode.replace(", ", "_").replace(" ", "-")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def decode_item_times(trace: Path, stages: int) -> list[dict[str, float]]:
+    """Per stage, the medians (µs) of its decode items' wait for their input, compute (to the GPU's end) and
+    send (status and streams on), from its trace (stage_worker._trace)."""
+    out = []
+    for r in range(stages):
+        items = [json.loads(line) for line in (trace / f"stage-{r}.jsonl").read_text().splitlines()]
+        items = [i for i in items if i["kind"] == "decode"]
+        parts = {"wait": ("waited", "start"), "compute": ("start", "end"), "send": ("end", "sent")}
+        out.append({"items": len(items)} | {
+            p: round(statistics.median(i[b] - i[a] for i in items) * 1e6, 1) for p, (a, b) in parts.items()
+        })  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     stage_arguments(ap)
@@ -51,6 +74,11 @@ def main() -> None:
     ap.add_argument(
         "--eager-too", action="store_true", help="also each stage mode with --no-cuda-graph (GPU)"
     )
+    ap.add_argument(
+        "--trace", default=None,
+        help="a directory: each stage mode's stages record their items' times there (stage_worker's "
+        "TRACE_ENV), and each mode gets the medians a decode item spent waiting, computing and sending",
+    )  # fmt: skip
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -66,6 +94,8 @@ def main() -> None:
         for groups in a.groups:
             for graph in (True, False) if a.eager_too else (True,):
                 name = f"{a.stages} stages, {groups} groups, {transport}" + ("" if graph else ", eager")
+                if a.trace is not None:  # (read as each stage starts)
+                    os.environ[TRACE_ENV] = str(_trace_dir(a.trace, name))
                 engines[name] = LLM(
                     a.model, pipeline_stages=a.stages, decode_groups=groups, stage_transport=transport,
                     pipeline_devices=a.pipeline_devices, cuda_graph=graph, **flags,
@@ -96,6 +126,9 @@ def main() -> None:
             # hop's cost when the stages' own work is the one process's (one request: nothing overlaps).
             hops = a.stages * a.tokens
             modes[name]["extra_us_per_hop"] = round((med - base) / hops * 1e6, 1)
+            if a.trace is not None:
+                by_stage = decode_item_times(_trace_dir(a.trace, name), a.stages)
+                modes[name]["decode_item_us_by_stage"] = by_stage
     out = {"benchmark": "bench_pipeline", "git": git_info(a.revision), "hardware": hardware(a.device),
            "command": " ".join(["python", *sys.argv]), "settings": vars(a), "modes": modes}  # fmt: skip
     print(json.dumps(out, indent=1))

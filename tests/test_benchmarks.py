@@ -206,3 +206,17 @@ def test_rig_caps_keep_the_real_cards_room_after_their_weights() -> None:
         rigs.scaled_caps(cfg, "B", "none", ple)
     _, host = rigs.scaled_caps(cfg, "A", "int4", ple | {"experts"})
     assert all(h > c + 5 for h, c in zip(host, caps, strict=True))
+
+
+def test_bench_pipeline_splits_a_decode_item_by_stage(tmp_path) -> None:
+    """--trace: the stages' own trace gives each stage's decode items as waiting, computing and sending."""
+    res = run_json(
+        "benchmarks/bench_pipeline.py", "--requests", "1", "--tokens", "5", "--rounds", "1", "--groups", "1",
+        "--stage-transport", "shm", "--trace", str(tmp_path),
+    )  # fmt: skip
+    mode = res["modes"]["2 stages, 1 groups, shm"]
+    assert mode["tokens_equal_one_process"] is True
+    stages = mode["decode_item_us_by_stage"]
+    assert len(stages) == 2 and all(s["items"] == 4 for s in stages), stages  # 5 tokens: 4 decode steps
+    assert all(s["compute"] > 0 and s["wait"] >= 0 and s["send"] >= 0 for s in stages), stages
+    assert "decode_item_us_by_stage" not in res["modes"]["one process"]

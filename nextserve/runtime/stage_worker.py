@@ -32,7 +32,7 @@ from .stage_mtp import KeptStreams, MtpWork, draft_on_last_stage
 from .stage_transport import HostTransport, NcclTransport
 
 log = logging.getLogger("nextserve.pipeline")
-TRACE_ENV = "NEXTSERVE_STAGE_TRACE"  # a directory: each stage appends when it ran each item (stage-R.jsonl)
+TRACE_ENV = "NEXTSERVE_STAGE_TRACE"  # a directory: each stage appends its items' times (stage-R.jsonl)
 
 
 @wire_type
@@ -138,6 +138,7 @@ class StageWorker(ModelRunner):
         it on; the last stage keeps its streams when it drafts. `ask`: the last stage runs it only when
         stage 0 then says so (a guessed window), else drops its input and sends nothing back."""
         r, last = self.channel.rank, self.channel.world - 1
+        waited = time.time()
         x_in, ok = self._stream_in(rows, dtype)
         if ask and r == last and not self.channel.recv((1,), torch.int8, 0)[0]:
             return
@@ -151,10 +152,21 @@ class StageWorker(ModelRunner):
             except Exception:  # noqa: BLE001 - that item's requests only (C2)
                 log.exception("pipeline stage %d: forward failed", r)
                 ok = False
+        stamps = None
         if self.trace is not None:
-            self._trace(kind, rows, t0, x)
+            if x is not None and x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            stamps = {"kind": kind, "rows": rows, "waited": waited, "start": t0, "end": time.time()}
         if self.kept is not None:
             self.kept.add(kind, x if ok else None, rows, sequences)
+        self._send_on(ok, x, logits, rows, sample_rows, dtype)
+        if stamps is not None:
+            self._trace(stamps)
+
+    def _send_on(self, ok: bool, x, logits, rows: int, sample_rows, dtype: torch.dtype) -> None:
+        """An item's status and streams to the next stage; the last stage's to stage 0, with the logits of its
+        sampling rows (zeros for a failed item)."""
+        r, last = self.channel.rank, self.channel.world - 1
         status = torch.tensor([int(ok)], dtype=torch.int8)
         if r < last:
             self.channel.send(status, r + 1)
@@ -165,13 +177,12 @@ class StageWorker(ModelRunner):
             V = self.model.cfg.vocab_size
             self.transport.send(logits if ok else self._zeros(len(sample_rows), V, dtype), 0)
 
-    def _trace(self, kind: str, rows: int, t0: float, x: torch.Tensor | None) -> None:
-        """Append when this stage computed an item (wall clock, comparable across the stages of one
-        machine; a GPU stage waits for its work first, so only set TRACE_ENV to look)."""
-        if x is not None and x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
+    def _trace(self, stamps: dict) -> None:
+        """Append when this stage began waiting for an item's input (`waited`), computed it (`start` to `end`)
+        and had sent it on (`sent`): wall clock, comparable across the stages of one machine; a GPU stage
+        waits for its work before `end`, so only set TRACE_ENV to look."""
         with open(self.trace, "a") as f:
-            f.write(json.dumps({"kind": kind, "rows": rows, "start": t0, "end": time.time()}) + "\n")
+            f.write(json.dumps(stamps | {"sent": time.time()}) + "\n")
 
     def _zeros(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(rows, cols, dtype=dtype, device=self.device)
