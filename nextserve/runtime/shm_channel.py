@@ -26,7 +26,7 @@ import torch
 
 from . import stage_codec
 from .shm_ring import ShmRing, ring_bytes
-from .stage_channel import STEP_TAG, TIMEOUT, StageChannel
+from .stage_channel import STEP_TAG, TIMEOUT, StageChannel, reads_from
 
 SHM_DIR = "/dev/shm"
 SLOTS = 4  # slots a ring: a sender runs up to this many slots ahead of its reader
@@ -190,20 +190,13 @@ class ShmChannel(StageChannel):
         self._recv_into(buf, 0, STEP_TAG)
         return stage_codec.loads(buf.numpy().tobytes())
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
-        self.recv_into(buf, src)
-        return buf
-
     def recv_into(self, t: torch.Tensor, src: int) -> None:
         self._recv_into(t.view(torch.uint8).flatten(), src, 0)
 
     def holds(self, t: torch.Tensor) -> bool:
         if not self.backlog:  # (every byte sent so far is in a slot)
             return False
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
-        return any(lo <= data.data_ptr() < hi for queue in self.queued.values() for data, _ in queue)
+        return any(reads_from(data, t) for queue in self.queued.values() for data, _ in queue)
 
     def close(self) -> None:
         self.queued.clear()

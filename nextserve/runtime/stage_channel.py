@@ -24,6 +24,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reads_from(data: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether a send of `data` (a byte view the channel keeps) reads t's memory."""
+    lo = t.data_ptr()
+    return lo <= data.data_ptr() < lo + t.numel() * t.element_size()
+
+
 class StageChannel:
     """Point-to-point and broadcast traffic of one stage over its own Gloo group (no global state)."""
 
@@ -86,9 +92,7 @@ class StageChannel:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether a send not yet done still reads t's memory (so it may not be written yet)."""
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
-        return any(lo <= data.data_ptr() < hi and not work.is_completed() for work, data in self.pending)
+        return any(reads_from(data, t) and not work.is_completed() for work, data in self.pending)
 
     def broadcast(self, obj: object) -> object:
         """obj from stage 0 to every stage (the others pass None)."""

@@ -101,7 +101,7 @@ TILE_BUDGET = 160 * 1024  # shared memory bytes of pipelined tiles a program may
 # 48.8 / 255.8 / 785.0 with each tile dequantized in K order (H100, one call; BENCHMARKS.md, W4A16).
 # Prefill chunks (blocks of up to 128 rows) dequantize each tile in K order into one dot, K tiles of 64:
 # the 48-layer int4 build prefilled 8,192 tokens at 14,935 tok/s that way and at 6,894 with the slabs
-# (H100, two calls of one session).
+# (H100; BENCHMARKS.md, W4A16).
 PREFILL_INT4_SLABS = False
 # NOTE: FP8 prefill experts as W8A8 (`_w8a8_dot`: x and the act rows quantized per row and 128 columns, K
 # tiles of 64) are off: with them and the W8A8 projections on, a cold 62,700-token FP8 prompt took 0.814-0.857
